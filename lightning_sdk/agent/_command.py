@@ -1,0 +1,321 @@
+"""``CommandAgent``: any program is an agent — a CLI coding agent, a script, a binary in another language.
+
+Each attempt runs the command as a subprocess in a session of its own (its own process group) with the attempt's
+endpoint in the environment, so a harness that reads the usual variables needs no change:
+
+* ``OPENAI_BASE_URL`` and ``OPENAI_API_BASE`` (the proxy's ``/v1``), ``OPENAI_API_KEY`` (the attempt token),
+  ``OPENAI_MODEL`` (the policy's name) — the OpenAI SDKs, LangChain and LiteLLM's ``openai/`` models read these;
+* ``LITELLM_PROXY_API_BASE`` / ``LITELLM_PROXY_API_KEY`` — LiteLLM's ``litellm_proxy/`` models;
+* ``LIGHTNING_SDK_TASK`` (the task as JSON), ``LIGHTNING_SDK_ATTEMPT_ID``, ``LIGHTNING_SDK_ROLLOUT_ID`` and
+  ``LIGHTNING_SDK_REWARD_URL`` (``POST`` ``{"value": ...}`` there with the bearer token to report a reward).
+
+Arguments may hold placeholders: ``{task}`` (the task as JSON), ``{task[field]}`` (one field; a nested object or
+list as JSON), ``{task_file}`` (the path of a file holding the task as JSON) and ``{python}`` (the interpreter running
+the worker, for Python programs that need the same environment). Any other braces are left as they are, so a
+``python -c`` argument with a dict literal needs no escaping.
+
+The reward comes from ``reward(task, stdout, exit_code)`` when given, or from the program itself through the reward
+endpoint. A non-zero exit fails the attempt (with the stderr tail) unless ``fail_on_error=False``, in which case the
+reward function scores it. On timeout, cancellation or exit the whole process group is killed (SIGTERM, then
+SIGKILL after ``kill_grace_s``), so grandchildren cannot outlive their attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import shlex
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_sdk.agent._base import AttemptOutcome, format_exception, reward_value, tail
+from lightning_sdk.agent._context import AttemptContext
+from lightning_sdk.agent._llm import LLM
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.types import Task
+
+__all__ = ["CommandAgent", "CommandResult", "RewardFn"]
+
+RewardFn = Callable[[Task, str, int], Any]
+"""``reward(task, stdout, exit_code) -> float | None`` (may be async)."""
+
+
+class CommandResult:
+    """What one run of the command produced."""
+
+    __slots__ = ("exit_code", "stderr", "stdout", "timed_out")
+
+    def __init__(self, exit_code: int, stdout: str, stderr: str, timed_out: bool) -> None:
+        self.exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+        self.timed_out = timed_out
+
+
+_PLACEHOLDER = re.compile(r"\{task((?:\[[^\[\]{}]+\])*)\}|\{task_file\}|\{python\}")
+
+
+def _fill(arg: str, task: Task, task_file: str) -> str:
+    """Replace ``{task}``, ``{task[a][b]}``, ``{task_file}`` and ``{python}`` in one argument; other braces stay."""
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "{task_file}":
+            return task_file
+        if m.group(0) == "{python}":
+            return sys.executable
+        value: Any = task
+        for key in re.findall(r"\[([^\]]+)\]", m.group(1) or ""):
+            if isinstance(value, list) and key.lstrip("-").isdigit() and -len(value) <= int(key) < len(value):
+                value = value[int(key)]
+            elif isinstance(value, dict) and key in value:
+                value = value[key]
+            else:
+                raise ConfigError(f"command placeholder {m.group(0)} asks for {key!r}, which the task does not have")
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+    return _PLACEHOLDER.sub(sub, arg)
+
+
+def _load_callable(spec: str, base_dir: Path | None = None) -> Callable[..., Any]:
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` (relative to ``base_dir``) → the function."""
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"expected 'module:function' or 'file.py:function', got {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_absolute() and base_dir is not None:
+                path = base_dir / path
+            obj: Any = _import_path(path)
+        else:
+            obj = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, FileNotFoundError) as exc:
+        raise ConfigError(f"cannot load {spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError(f"{spec!r} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _import_path(path: Path) -> Any:
+    """Import a Python file as a module (once per resolved path); its directory goes on ``sys.path``."""
+    resolved = path.resolve()
+    name = f"_lightning_user_{resolved.stem}_{abs(hash(str(resolved)))}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not resolved.exists():
+        raise FileNotFoundError(f"no file {path}")
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    if str(resolved.parent) not in sys.path:
+        sys.path.insert(0, str(resolved.parent))  # so the file can import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+class CommandAgent:
+    """Run ``command`` (a list of arguments, or a string split like a shell would) once per attempt."""
+
+    def __init__(
+        self,
+        command: Sequence[str] | str,
+        *,
+        reward: RewardFn | str | None = None,
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        max_attempts: int = 1,
+        fail_on_error: bool = True,
+        kill_grace_s: float = 2.0,
+        name: str | None = None,
+    ) -> None:
+        args = shlex.split(command) if isinstance(command, str) else list(command)
+        if not args:
+            raise ConfigError("CommandAgent needs a non-empty command")
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"CommandAgent timeout must be > 0 seconds, got {timeout}")
+        if max_attempts < 1:
+            raise ConfigError(f"CommandAgent max_attempts must be >= 1, got {max_attempts}")
+        self.command = args
+        self.reward: RewardFn | None = _load_callable(reward) if isinstance(reward, str) else reward
+        self.timeout = timeout
+        self.env = dict(env or {})
+        self.cwd = str(cwd) if cwd is not None else None
+        self.max_attempts = max_attempts
+        self.fail_on_error = fail_on_error
+        self.kill_grace_s = kill_grace_s
+        self.name = name or Path(args[0]).name
+
+    @classmethod
+    def from_config(cls, section: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> CommandAgent:
+        """Build from a config section (a dict, e.g. the ``agent:`` section of a YAML file)::
+
+        command: ["python", "solve.py", "--question", "{task[question]}"]   # or one string
+        reward: my_pkg.rewards:exact_match      # optional: reward(task, stdout, exit_code)
+        timeout: 120
+        env: {MY_FLAG: "1"}
+        cwd: path/to/dir
+        max_attempts: 2
+        fail_on_error: true
+        """
+        known = {"command", "reward", "timeout", "env", "cwd", "max_attempts", "fail_on_error", "kill_grace_s", "name"}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"unknown command agent keys {unknown}; known: {sorted(known)}")
+        if "command" not in section:
+            raise ConfigError("a command agent config needs 'command'")
+        env = {str(k): str(v) for k, v in (section.get("env") or {}).items()}
+        base = Path(base_dir) if base_dir is not None else None
+        cwd = section.get("cwd")
+        if base is not None:
+            cwd = str(base / cwd) if cwd is not None else str(base)
+        reward = section.get("reward")
+        return cls(
+            section["command"],
+            reward=_load_callable(reward, base) if isinstance(reward, str) else reward,
+            timeout=section.get("timeout"),
+            env=env,
+            cwd=cwd,
+            max_attempts=int(section.get("max_attempts", 1)),
+            fail_on_error=bool(section.get("fail_on_error", True)),
+            kill_grace_s=float(section.get("kill_grace_s", 2.0)),
+            name=section.get("name"),
+        )
+
+    def __repr__(self) -> str:
+        return f"<CommandAgent {shlex.join(self.command)!r} timeout={self.timeout}>"
+
+    # -- running -------------------------------------------------------------------------------------------------
+    def render_args(self, task: Task, task_file: str = "") -> list[str]:
+        """The command with its placeholders filled in for ``task``."""
+        return [_fill(a, task, task_file) for a in self.command]
+
+    def process_env(self, task: Task, llm: LLM, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The subprocess environment: ours, then the agent's ``env``, then the endpoint (which wins)."""
+        env = dict(os.environ)
+        env.update(self.env)
+        env.update(llm.env())
+        env["LIGHTNING_SDK_TASK"] = json.dumps(task, ensure_ascii=False)
+        env.update(extra or {})
+        return env
+
+    async def execute(
+        self, task: Task, llm: LLM, *, timeout: float | None, extra_env: Mapping[str, str] | None = None
+    ) -> CommandResult:
+        """Run the command once; the process group is killed on timeout, cancellation and exit."""
+        with tempfile.TemporaryDirectory(prefix="lightning-task-") as tmp:
+            task_file = os.path.join(tmp, "task.json")
+            Path(task_file).write_text(json.dumps(task, ensure_ascii=False), encoding="utf-8")
+            args = self.render_args(task, task_file)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *args,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=self.process_env(task, llm, extra_env),
+                    cwd=self.cwd,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise ConfigError(f"cannot start {args[0]!r}: {exc}") from exc
+            assert proc.stdout is not None and proc.stderr is not None
+            readers = [asyncio.ensure_future(_read_all(proc.stdout)), asyncio.ensure_future(_read_all(proc.stderr))]
+            timed_out = False
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                timed_out = True
+                await self._kill_group(proc)
+            except asyncio.CancelledError:
+                await self._kill_group(proc)
+                for r in readers:
+                    r.cancel()
+                raise
+            finally:
+                _signal_group(proc.pid, signal.SIGKILL)  # leftovers of a program that exited before its children
+            out, err = await asyncio.gather(*readers)
+            code = proc.returncode if proc.returncode is not None else -1
+            return CommandResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out)
+
+    async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.kill_grace_s)
+        except TimeoutError:
+            _signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def run_attempt(self, ctx: AttemptContext, *, timeout: float | None) -> AttemptOutcome:
+        """Run the command for this attempt and score it (see the module docstring)."""
+        extra = {"LIGHTNING_SDK_ATTEMPT_ID": ctx.attempt_id, "LIGHTNING_SDK_ROLLOUT_ID": ctx.rollout_id}
+        if ctx.server_url:
+            extra["LIGHTNING_SDK_REWARD_URL"] = f"{ctx.server_url}/lightning/v1/reward"
+        try:
+            result = await self.execute(ctx.task, ctx.llm, timeout=timeout, extra_env=extra)
+        except ConfigError as exc:
+            return AttemptOutcome("failed", error=str(exc))
+        if result.timed_out:
+            return AttemptOutcome(
+                "timed_out", error=f"{self.name} timed out after {timeout} s\n{tail(result.stderr)}".rstrip()
+            )
+        if result.exit_code != 0 and self.fail_on_error:
+            return AttemptOutcome(
+                "failed",
+                error=f"{self.name} exited with code {result.exit_code}\n{tail(result.stderr)}".rstrip(),
+                output=tail(result.stdout),
+            )
+        if self.reward is None:
+            return AttemptOutcome("succeeded", output=tail(result.stdout))
+        try:
+            value = self.reward(ctx.task, result.stdout, result.exit_code)
+            if inspect.isawaitable(value):
+                value = await value
+            reward = reward_value(value, f"reward function of {self.name}")
+        except Exception as exc:
+            return AttemptOutcome("failed", error=format_exception(exc), output=tail(result.stdout))
+        return AttemptOutcome("succeeded", reward=reward, output=tail(result.stdout))
+
+    def __call__(self, task: Task, llm: LLM) -> float | None:
+        """Run once as plain code (outside training): returns the reward function's value (None without one)."""
+        result = asyncio.run(self.execute(task, llm, timeout=self.timeout))
+        if result.timed_out:
+            raise TimeoutError(f"{self.name} timed out after {self.timeout} s")
+        if result.exit_code != 0 and self.fail_on_error:
+            raise ConfigError(f"{self.name} exited with code {result.exit_code}: {tail(result.stderr, 2000)}")
+        if self.reward is None:
+            return None
+        value = self.reward(task, result.stdout, result.exit_code)
+        if inspect.isawaitable(value):
+            raise ConfigError("an async reward function needs the async API (CommandAgent.execute)")
+        return reward_value(value, "reward function")
+
+
+async def _read_all(stream: asyncio.StreamReader) -> bytes:
+    chunks = []
+    while chunk := await stream.read(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)  # the child leads its own session, so its pid is the group id

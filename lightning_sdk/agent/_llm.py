@@ -1,0 +1,80 @@
+"""``LLM``: where an agent sends its model calls — a base URL, a key (the attempt token) and a model name.
+
+During training a worker builds one per attempt (``base_url`` = the proxy's ``/v1``, ``api_key`` = the attempt's
+bearer token, ``model`` = the policy's name), so every call the agent makes is traced under that attempt. Outside
+training the user builds one pointing anywhere (``LLM(base_url="https://api.openai.com/v1", api_key=..., model=...)``)
+and the agent runs as plain code.
+
+The helpers build the common clients already pointed at it; each framework is imported only when its helper is
+called, so none of them is a dependency of the package.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import openai
+
+__all__ = ["LLM"]
+
+
+class LLM(BaseModel):
+    """An OpenAI-compatible endpoint: ``base_url`` (ends in ``/v1``), ``api_key`` and ``model``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str
+    api_key: str
+    model: str = "policy"
+
+    @classmethod
+    def from_env(cls, *, model: str | None = None) -> LLM:
+        """The endpoint named by ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL`` (what a command agent
+        is given), for running a decorated agent by hand."""
+        base = os.environ.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_API_BASE") or "https://api.openai.com/v1"
+        return cls(
+            base_url=base,
+            api_key=os.environ.get("OPENAI_API_KEY", ""),
+            model=model or os.environ.get("OPENAI_MODEL", "policy"),
+        )
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that point common harnesses at this endpoint (OpenAI SDK, LiteLLM, ...)."""
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_BASE": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "OPENAI_MODEL": self.model,
+            "LITELLM_PROXY_API_BASE": self.base_url,
+            "LITELLM_PROXY_API_KEY": self.api_key,
+        }
+
+    def openai_client(self, **kwargs: Any) -> openai.OpenAI:
+        """A sync ``openai.OpenAI`` client for this endpoint (extra keyword arguments go to the client)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def async_openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` client for this endpoint."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def langchain_chat(self, **kwargs: Any) -> Any:
+        """A LangChain ``ChatOpenAI`` for this endpoint (needs ``langchain-openai``)."""
+        try:
+            from langchain_openai import ChatOpenAI
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            from lightning_sdk.errors import ConfigError
+
+            raise ConfigError("LLM.langchain_chat() needs langchain-openai: pip install langchain-openai") from exc
+        return ChatOpenAI(base_url=self.base_url, api_key=self.api_key, model=self.model, **kwargs)
+
+    def litellm_kwargs(self) -> dict[str, str]:
+        """Keyword arguments for ``litellm.completion`` that route through this endpoint (``openai/<model>``)."""
+        return {"model": f"openai/{self.model}", "api_base": self.base_url, "api_key": self.api_key}

@@ -1,0 +1,114 @@
+"""``lightning-sdk records``: export training records (JSONL or Parquet) and the fidelity report from a store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import orjson
+import typer
+from rich.console import Console
+
+from lightning_sdk.cli._app import app
+from lightning_sdk.errors import ConfigError, LightningSDKError, RecordError
+from lightning_sdk.records.advantages import AdvantageConfig, estimator_names
+from lightning_sdk.records.build import BuildResult, RecordsConfig
+from lightning_sdk.records.export import export_records, report_json
+from lightning_sdk.records.record import Record, visualize
+from lightning_sdk.records.report import render_report
+from lightning_sdk.records.segments import MergeOptions
+from lightning_sdk.store import open_store
+from lightning_sdk.store.base import Store
+
+logger = logging.getLogger(__name__)
+
+
+def _open_store(spec: str, admin_key: str | None) -> Store:
+    """The store behind ``spec`` (a SQLite file that must exist, or an http(s) URL of a daemon's store)."""
+    if not spec.startswith(("http://", "https://")) and not Path(spec).expanduser().exists():
+        raise ConfigError(f"store {spec!r} does not exist")
+    return open_store(spec, admin_key=admin_key)
+
+
+def _check_vocab(records: list[Record], tokenizer: Any) -> None:
+    vocab = len(tokenizer)
+    for rec in records:
+        if len(rec) and int(rec.input_ids.max()) >= vocab:
+            raise RecordError(
+                f"record of attempt {rec.attempt_id} has token id {int(rec.input_ids.max())} outside the "
+                f"tokenizer's vocabulary ({vocab}): wrong --tokenizer?"
+            )
+
+
+async def _run(spec: str, admin_key: str | None, out: Path, config: RecordsConfig, split: str | None) -> BuildResult:
+    store = _open_store(spec, admin_key)
+    try:
+        return await export_records(store, out, config, split=split)
+    finally:
+        await store.close()
+
+
+@app.command("records")
+def records(
+    store: str = typer.Option(..., "--store", help="The store: a SQLite file path (or a store spec)."),
+    out: Path = typer.Option(..., "--out", help="Output file: JSONL, or Parquet when it ends in .parquet."),
+    tokenizer: Path | None = typer.Option(
+        None, "--tokenizer", help="The policy's HF tokenizer directory: checks ids and decodes --show."
+    ),
+    estimator: str = typer.Option("grpo", "--estimator", help=f"Advantage estimator: {', '.join(estimator_names())}."),
+    no_std: bool = typer.Option(False, "--no-std", help="GRPO without dividing by the group std."),
+    max_length: int | None = typer.Option(None, "--max-length", help="Cut longer segments (flagged truncated)."),
+    include_retokenized: bool = typer.Option(
+        False, "--include-retokenized", help="Also train calls the proxy retokenized from text."
+    ),
+    drop_zero_variance: bool = typer.Option(False, "--drop-zero-variance", help="Leave out zero-variance groups."),
+    failed_fill: float | None = typer.Option(
+        None, "--failed-fill", help="Train failed/timed-out attempts with this reward (default: not trained)."
+    ),
+    gamma: float = typer.Option(1.0, "--gamma", help="Discount over calls for per-call rewards."),
+    split: str = typer.Option("train", "--split", help="Which split to export ('all' for every split)."),
+    report: Path | None = typer.Option(None, "--report", help="Also write the fidelity report as JSON here."),
+    show: int = typer.Option(0, "--show", help="Print the first N records with their loss mask."),
+    quiet: bool = typer.Option(False, "--quiet", help="Do not print the report table."),
+    admin_key: str | None = typer.Option(
+        None, "--admin-key", envvar="LIGHTNING_SDK_ADMIN_KEY", help="Admin key of a daemon's store (http URL)."
+    ),
+) -> None:
+    """Export training records (one row per segment of every succeeded attempt) and a token-fidelity report."""
+    console = Console()
+    try:
+        config = RecordsConfig(
+            merge=MergeOptions(include_retokenized=include_retokenized, max_length=max_length),
+            advantage=AdvantageConfig(
+                estimator=estimator,
+                norm_by_std=not no_std,
+                gamma=gamma,
+                failed_fill=failed_fill,
+                drop_zero_variance=drop_zero_variance,
+            ),
+        )
+        if max_length is not None and max_length < 1:
+            raise ConfigError("--max-length must be at least 1")
+        tok: Any = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(str(tokenizer))
+            except Exception as exc:  # transformers raises OSError/ValueError/...: translate at the boundary
+                raise ConfigError(f"cannot load the tokenizer in {tokenizer}: {exc}") from exc
+        result = asyncio.run(_run(store, admin_key, out, config, None if split == "all" else split))
+        if tok is not None:
+            _check_vocab(result.records, tok)
+    except LightningSDKError as exc:
+        console.print(f"error: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    if report is not None:
+        report.write_bytes(orjson.dumps(report_json(result), option=orjson.OPT_INDENT_2))
+    if not quiet:
+        render_report(result, console)
+    for rec in result.records[:show]:
+        console.print(visualize(rec, tok, max_tokens=2000), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {len(result.records)} records to {out}", markup=False, highlight=False, soft_wrap=True)

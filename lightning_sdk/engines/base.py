@@ -1,0 +1,77 @@
+"""The engine interface: token ids in, token ids and log-probs out.
+
+Every policy engine (embedded HF, SGLang ``/generate``, vLLM ``/v1/completions`` with a token-id prompt) implements
+``Engine``. The proxy's token-in/token-out mode renders messages to ids, calls ``generate`` and parses the sampled
+ids back into an OpenAI message; the trainer publishes new weights through ``update_weights``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["Engine", "Generation", "GenerationDelta", "Sampling"]
+
+
+class Sampling(BaseModel):
+    """Sampling settings of one generation (OpenAI names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)  # stop strings (the matched text is not part of the reply)
+    stop_token_ids: list[int] = Field(default_factory=list)  # besides the tokenizer's EOS ids
+
+
+class Generation(BaseModel):
+    """What the engine sampled: exact ids, their log-probs, why it stopped and the policy version that served it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "abort"]
+    policy_version: int | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class GenerationDelta(BaseModel):
+    """A streamed piece of a generation: new ids and their log-probs (``finish_reason`` set on the last one)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    policy_version: int | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A token-in/token-out inference engine serving the policy."""
+
+    @property
+    def policy_version(self) -> int: ...
+
+    async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
+        """Sample a completion for ``input_ids``. ``session_id`` (the attempt) lets multi-server engines keep an
+        attempt on one server (prefix cache)."""
+        ...
+
+    def stream(
+        self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """The same generation, delivered as it is sampled."""
+        ...
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """Swap in new weights atomically and serve them as ``version`` from the next generation on.
+        ``source`` is engine-specific (a state dict for the embedded engine, a directory for SGLang/vLLM)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,234 @@
+"""Start, health-check and stop policy servers (SGLang, vLLM) as child processes.
+
+    server = launch_sglang("/models/qwen", port=30000, gpus=[0])       # python -m sglang.launch_server ...
+    engine = SGLangEngine(server.url)
+    ...
+    server.stop()
+
+    servers = launch_many(launch_vllm, "/models/qwen", gpus=[[0], [1]])  # one server per GPU group
+    engine = VLLMEngine([s.url for s in servers])
+
+Each server runs in its own process group (so ``stop`` ends its workers too), logs to a file, and is ready when its
+health endpoint answers 200. A missing engine package, a server that exits during start-up, or one that is not
+healthy within ``timeout`` raises ``EngineError`` with the command and the end of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from lightning_sdk.errors import EngineError
+
+__all__ = ["ManagedServer", "free_port", "launch_many", "launch_server", "launch_sglang", "launch_vllm", "running"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ManagedServer:
+    """A running server process: its URL (``http://host:port``), command and log file."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    command: list[str]
+    log_path: Path
+    _log: Any = field(default=None, repr=False)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL after ``grace_s``."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ManagedServer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def _wait_healthy(server: ManagedServer, health_path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = server.url + health_path
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            if not server.running():
+                raise EngineError(
+                    f"server exited with code {server.process.returncode} during start-up: "
+                    f"{' '.join(server.command)}\n--- {server.log_path} ---\n{server.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(url).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                server.stop()
+                raise EngineError(
+                    f"server not healthy at {url} after {timeout:.0f}s: {' '.join(server.command)}\n"
+                    f"--- {server.log_path} ---\n{server.log_tail()}"
+                )
+            time.sleep(0.25)
+
+
+def launch_server(
+    command: Sequence[str],
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    health_path: str = "/health",
+    env: Mapping[str, str] | None = None,
+    log_path: str | Path | None = None,
+    timeout: float = 900.0,
+) -> ManagedServer:
+    """Start ``command`` (which must serve HTTP on ``host:port``) and wait until ``health_path`` answers 200."""
+    cmd = [str(c) for c in command]
+    log = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="lightning-engine-", suffix=".log")[1])
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = log.open("ab")
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    except OSError as exc:
+        fh.close()
+        raise EngineError(f"cannot start {cmd[0]!r}: {exc}") from exc
+    connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    server = ManagedServer(url=f"http://{connect_host}:{port}", process=proc, command=cmd, log_path=log, _log=fh)
+    logger.info("started %s (pid %d), log %s", " ".join(cmd), proc.pid, log)
+    _wait_healthy(server, health_path, timeout)
+    logger.info("server ready at %s", server.url)
+    return server
+
+
+def _gpu_env(gpus: Sequence[int] | None) -> dict[str, str]:
+    return {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+
+def launch_sglang(
+    model_path: str | Path,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    gpus: Sequence[int] | None = None,
+    extra_args: Sequence[str] = (),
+    timeout: float = 900.0,
+    log_path: str | Path | None = None,
+    python: str = sys.executable,
+) -> ManagedServer:
+    """``python -m sglang.launch_server`` for ``model_path`` on ``gpus`` (tensor parallel over all of them)."""
+    if python == sys.executable and importlib.util.find_spec("sglang") is None:
+        raise EngineError("SGLang is not installed in this environment: pip install 'sglang[all]' (GPU hosts only)")
+    port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
+    cmd = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(len(gpus) if gpus else 1),
+        "--weight-version", "0",
+        *extra_args,
+    ]  # fmt: skip
+    return launch_server(
+        cmd, port=port, host=host, health_path="/health", env=_gpu_env(gpus), log_path=log_path, timeout=timeout
+    )
+
+
+def launch_vllm(
+    model_path: str | Path,
+    *,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    gpus: Sequence[int] | None = None,
+    served_model_name: str = "policy",
+    extra_args: Sequence[str] = (),
+    timeout: float = 900.0,
+    log_path: str | Path | None = None,
+    vllm_bin: str | None = None,
+) -> ManagedServer:
+    """``vllm serve`` with the RL endpoints on (dev mode), sampled log-probs and our disk-reload extension."""
+    binary = vllm_bin or shutil.which("vllm")
+    if binary is None:
+        raise EngineError("vLLM is not installed in this environment (no `vllm` on PATH): pip install vllm")
+    port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
+    cmd = [
+        binary, "serve", str(model_path),
+        "--host", host,
+        "--port", str(port),
+        "--served-model-name", served_model_name,
+        "--tensor-parallel-size", str(len(gpus) if gpus else 1),
+        "--logprobs-mode", "processed_logprobs",
+        "--worker-extension-cls", "lightning_sdk.engines.vllm.DiskReloadExtension",
+        *extra_args,
+    ]  # fmt: skip
+    env = {**_gpu_env(gpus), "VLLM_SERVER_DEV_MODE": "1"}
+    return launch_server(cmd, port=port, host=host, health_path="/health", env=env, log_path=log_path, timeout=timeout)
+
+
+def launch_many(
+    launcher: Callable[..., ManagedServer], model_path: str | Path, *, gpus: Sequence[Sequence[int]], **kwargs: Any
+) -> list[ManagedServer]:
+    """One server per GPU group (data-parallel serving); stops the started ones if any fails."""
+    servers: list[ManagedServer] = []
+    try:
+        for group in gpus:
+            servers.append(launcher(model_path, gpus=list(group), **kwargs))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[ManagedServer]) -> Iterator[list[str]]:
+    """``with running(launch_many(...)) as urls:`` — stop every server on exit."""
+    try:
+        yield [s.url for s in servers]
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,0 +1,178 @@
+"""vLLM servers as the policy engine, through the OpenAI completions API with a token-id prompt.
+
+Wire format (vllm-project/vllm ``vllm/entrypoints/openai/completion/protocol.py``, ``.../completion/serving.py``):
+
+* ``POST /v1/completions`` with ``prompt`` as a list of token ids, ``return_token_ids: true`` (vLLM >= 0.10.2),
+  ``logprobs: 1``, ``skip_special_tokens: false``, plus ``max_tokens``, ``temperature``, ``top_p``, ``seed``,
+  ``stop``, ``stop_token_ids``. Each choice carries ``token_ids`` (the sampled ids), ``prompt_token_ids``,
+  ``logprobs.token_logprobs`` (one per sampled token) and ``finish_reason`` (``stop``, ``length``, ``abort``).
+  Streaming: ``data: {...}`` chunks whose choice carries the ``token_ids`` and ``token_logprobs`` it adds, then
+  ``data: [DONE]``.
+* Weight updates use the RL endpoints that vLLM serves with ``VLLM_SERVER_DEV_MODE=1``
+  (``vllm/entrypoints/serve/dev/rlhf/api_router.py``, ``.../dev/rpc/api_router.py``): ``POST /pause?mode=keep``
+  (in-flight requests are frozen and continue after ``/resume``), ``POST /collective_rpc``
+  ``{"method": "lightning_load_weights", "args": [dir]}`` (a method of ``DiskReloadExtension`` below, installed with
+  ``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``), ``POST /reset_prefix_cache``,
+  ``POST /resume``. ``launch.launch_vllm`` starts servers that way.
+
+Log-probs: launch vLLM with ``--logprobs-mode processed_logprobs`` so they are those of the distribution it sampled
+from (temperature applied), as the trainer's importance ratio needs; the default (``raw_logprobs``) ignores the
+temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import orjson
+
+from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.pool import RemoteEngine
+from lightning_sdk.errors import EngineError
+
+__all__ = ["DiskReloadExtension", "VLLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _finish(choice: dict[str, Any]) -> Literal["stop", "length", "abort"] | None:
+    reason = choice.get("finish_reason")
+    if reason is None:
+        return None
+    if reason not in _FINISH:
+        raise EngineError(f"vLLM answered an unknown finish_reason {reason!r}")
+    return _FINISH[reason]  # type: ignore[return-value]
+
+
+def _ids_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise EngineError("vLLM answered without token_ids: the server must be vLLM >= 0.10.2 (return_token_ids)")
+    lp = (choice.get("logprobs") or {}).get("token_logprobs")
+    if lp is None:
+        raise EngineError("vLLM answered without logprobs.token_logprobs")
+    if len(lp) != len(ids):
+        raise EngineError(f"vLLM answered {len(ids)} token ids but {len(lp)} log-probs")
+    return [int(t) for t in ids], [float(x) if x is not None else 0.0 for x in lp]
+
+
+class VLLMEngine(RemoteEngine):
+    """One or more vLLM OpenAI servers (``http://host:port``, no ``/v1``) serving the policy (``Engine``)."""
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        *,
+        model: str = "policy",
+        policy_version: int = 0,
+        timeout: float = 600.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        super().__init__(base_urls, policy_version=policy_version, timeout=timeout, client=client)
+        self.model = model
+
+    def _body(self, input_ids: list[int], sampling: Sampling, *, stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": input_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": stream,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        return body
+
+    async def _generate_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> Generation:
+        resp = await self._post(
+            idx, "/v1/completions", what="vLLM completions", json=self._body(input_ids, sampling, stream=False)
+        )
+        out = orjson.loads(resp.content)
+        choice = out["choices"][0]
+        ids, lps = _ids_and_logprobs(choice)
+        return Generation(
+            completion_ids=ids,
+            logprobs=lps,
+            finish_reason=_finish(choice) or "abort",
+            meta={"request_id": out.get("id"), "stop_reason": choice.get("stop_reason")},
+        )
+
+    async def _stream_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerationDelta]:
+        url = f"{self.base_urls[idx]}/v1/completions"
+        try:
+            async with self._client.stream("POST", url, json=self._body(input_ids, sampling, stream=True)) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise EngineError(f"vLLM completions: {url} answered {resp.status_code}: {text[:500]}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk:
+                        raise EngineError(f"vLLM stream error: {chunk['error']}")
+                    for choice in chunk.get("choices", []):
+                        ids, lps = _ids_and_logprobs(choice) if choice.get("token_ids") else ([], [])
+                        reason = _finish(choice)
+                        if ids or reason is not None:
+                            yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM completions: {url} failed while streaming: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------------------ weights
+    async def _pause_server(self, idx: int) -> None:
+        await self._post(idx, "/pause", what="vLLM pause", params={"mode": "keep"})
+
+    async def _resume_server(self, idx: int) -> None:
+        await self._post(idx, "/resume", what="vLLM resume")
+
+    async def _reload_server(self, idx: int, source: Any, version: int) -> None:
+        body = {"method": "lightning_load_weights", "args": [str(source)]}
+        await self._post(idx, "/collective_rpc", what="vLLM collective_rpc(lightning_load_weights)", json=body)
+        try:  # cached prefixes were computed by the old weights; vLLM refuses while frozen requests hold blocks
+            await self._post(idx, "/reset_prefix_cache", what="vLLM reset_prefix_cache")
+        except EngineError as exc:
+            logger.warning("prefix cache kept after the weight update: %s", exc)
+
+
+class DiskReloadExtension:
+    """A vLLM worker extension (``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``).
+
+    vLLM mixes this class into each GPU worker; ``collective_rpc("lightning_load_weights", args=[dir])`` then runs
+    on every worker and loads the ``*.safetensors`` files of ``dir`` into the live model through the model's own
+    ``load_weights`` (which handles fused QKV / gate-up layouts and tensor-parallel sharding). Runs inside vLLM only.
+    """
+
+    model_runner: Any
+
+    def lightning_load_weights(self, path: str) -> int:
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+
+        def tensors() -> Iterator[tuple[str, Any]]:
+            from safetensors import safe_open
+
+            for f in files:
+                with safe_open(str(f), framework="pt") as fh:
+                    for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                        yield name, fh.get_tensor(name)
+
+        loaded = self.model_runner.model.load_weights(weights=tensors())
+        return len(loaded) if loaded is not None else 0

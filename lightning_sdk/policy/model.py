@@ -1,0 +1,80 @@
+"""The default policy model: a tiny Qwen2 built from a config, saved as a normal Hugging Face model directory.
+
+No pretrained checkpoint can be downloaded here, so the embedded default is a ~3M-parameter ``Qwen2ForCausalLM``
+(hidden 256, 4 layers) over the domain tokenizer of ``lightning_sdk.policy.tokenizer``, warm-started by a short
+supervised phase (``lightning_sdk.policy.warm_start``). Any HF causal-LM directory can take its place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.policy.tokenizer import build_tokenizer, save_tokenizer
+
+__all__ = ["TinyPolicyConfig", "build_policy", "load_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TinyPolicyConfig:
+    """Shape of the default tiny policy (a Qwen2 architecture)."""
+
+    vocab_size: int = 480
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 688
+    max_positions: int = 1024
+    seed: int = 0
+
+
+def build_policy(out_dir: str | Path, corpus: Iterable[str], config: TinyPolicyConfig | None = None) -> Path:
+    """Train the tokenizer on ``corpus``, initialise the model from ``config`` and save both to ``out_dir``.
+
+    ``corpus`` should be rendered episodes (chat template applied), so the BPE learns the boilerplate they share.
+    """
+    cfg = config or TinyPolicyConfig()
+    tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
+    torch.manual_seed(cfg.seed)
+    qcfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(qcfg)
+    path = Path(out_dir)
+    save_tokenizer(tokenizer, path)
+    model.save_pretrained(str(path))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("built the tiny policy: %.2fM parameters, %d tokens, saved to %s", n_params / 1e6, len(tokenizer), path)
+    return path
+
+
+def load_policy(model_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer (float32, eval mode) from a local HF directory."""
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"the tokenizer in {path} has no chat template")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    return model, tokenizer

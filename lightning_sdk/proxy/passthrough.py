@@ -1,0 +1,284 @@
+"""Forward policy calls to an OpenAI-compatible engine and record the token ids the engine returns.
+
+The engine is asked for ``return_token_ids`` and ``logprobs`` (vLLM >= 0.10.2 answers with ``prompt_token_ids``
+and per-choice ``token_ids``; see ``proxy/shapes.py``); fields the agent did not ask for are removed from what it
+receives. An engine that returns text only still works: its calls are recorded without ids and flagged in
+``checks`` (``missing_token_ids``) so they are never trained silently.
+
+Connections are pooled in one ``aiohttp.ClientSession`` (measured: about a third of httpx's CPU per request).
+Failures before the first byte reaches the agent are retried with exponential backoff (connection errors, 429,
+5xx, a reply cut off mid-body); then the agent gets an OpenAI-shaped 502, or 504 when the engine did not answer
+within ``timeout_s``. A 4xx from the engine is the request's fault and is passed on. When the agent disconnects,
+the upstream response is closed, which makes vLLM/SGLang abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from lightning_sdk.errors import UpstreamError
+from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy.shapes import (
+    ChatStreamAssembler,
+    CompletionStreamAssembler,
+    EngineTokens,
+    chat_tokens,
+    completion_tokens,
+    strip_engine_fields,
+)
+
+__all__ = ["PassthroughBackend", "PassthroughConfig"]
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+@dataclass
+class PassthroughConfig:
+    """How to reach the engine. ``upstream`` is its base URL ending in ``/v1``."""
+
+    upstream: str
+    api_key: str | None = None  # sent upstream as the bearer (the agent's attempt token never is)
+    model: str | None = None  # rename the model in forwarded requests (agents say "policy", vLLM serves "Qwen/...")
+    request_token_ids: bool = True  # ask for vLLM's return_token_ids
+    request_logprobs: bool = True
+    max_retries: int = 3
+    backoff_s: float = 0.1
+    backoff_max_s: float = 2.0
+    connect_timeout_s: float = 10.0
+    timeout_s: float = 600.0  # longest wait for the engine's next bytes
+    max_connections: int = 1024
+
+
+class PassthroughBackend:
+    """A ``PolicyBackend`` that forwards to one OpenAI-compatible engine (see the module docstring)."""
+
+    def __init__(self, config: PassthroughConfig | str, **overrides: Any) -> None:
+        if isinstance(config, str):
+            config = PassthroughConfig(upstream=config, **overrides)
+        self.config = config
+        self.base = config.upstream.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            headers["Authorization"] = f"Bearer {config.api_key}"
+        self._headers = headers
+
+    # -- the PolicyBackend interface -----------------------------------------------------------------------------
+    async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        data = await self._post_json("/chat/completions", self._upstream_body(body, stream=False))
+        return self._result(body, data, chat_tokens(data), ctx)
+
+    async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        data = await self._post_json("/completions", self._upstream_body(body, stream=False))
+        return self._result(body, data, completion_tokens(data), ctx)
+
+    async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        asm = ChatStreamAssembler()
+        async for item in self._stream("/chat/completions", body, asm):
+            yield item
+        yield self._result(body, asm.response(), chat_tokens(asm.response()), ctx)
+
+    async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        asm = CompletionStreamAssembler()
+        async for item in self._stream("/completions", body, asm):
+            yield item
+        full = asm.response()
+        yield self._result(body, full, completion_tokens(full), ctx)
+
+    async def models(self) -> list[str]:
+        if self.config.model:
+            return [self.config.model]
+        session = self._client()
+        try:
+            async with session.get(self.base + "/models", headers=self._headers) as resp:
+                if resp.status != 200:
+                    raise UpstreamError(f"upstream GET /models answered {resp.status}", status_code=502)
+                data = orjson.loads(await resp.read())
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"upstream {self.base} unreachable: {exc}", status_code=502) from exc
+        return [str(m["id"]) for m in data.get("data") or ()]
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            cfg = self.config
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.timeout_s)
+            connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=cfg.max_connections)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=timeout, skip_auto_headers=("User-Agent",), read_bufsize=2**18
+            )
+        return self._session
+
+    def _upstream_body(self, body: dict[str, Any], *, stream: bool) -> bytes:
+        out = dict(body)
+        if self.config.model:
+            out["model"] = self.config.model
+        if self.config.request_token_ids:
+            out["return_token_ids"] = True
+        if self.config.request_logprobs and not out.get("logprobs"):
+            out["logprobs"] = True if "messages" in out else 0
+        if stream:
+            out["stream_options"] = dict(out.get("stream_options") or {}, include_usage=True)
+        return orjson.dumps(out)
+
+    async def _open(self, path: str, payload: bytes) -> aiohttp.ClientResponse:
+        """POST with retries until the engine answers 200; the caller reads and releases the response."""
+        session = self._client()
+        url = self.base + path
+        last = "no attempt made"
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random()))
+            try:
+                resp = await session.post(url, data=payload, headers=self._headers)
+            except aiohttp.SocketTimeoutError as exc:
+                raise UpstreamError(
+                    f"upstream {url} did not answer within {self.config.timeout_s}s", status_code=504
+                ) from exc
+            except (TimeoutError, aiohttp.ClientConnectionError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                logger.debug("upstream %s attempt %d failed: %s", url, attempt + 1, last)
+                continue
+            if resp.status == 200:
+                return resp
+            raw = await resp.read()
+            resp.release()
+            if resp.status in _RETRY_STATUS:
+                last = f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}"
+                logger.debug("upstream %s attempt %d answered %s", url, attempt + 1, resp.status)
+                continue
+            raise UpstreamHTTPError(
+                f"upstream answered {resp.status}", status_code=resp.status, payload=_error_payload(raw)
+            )
+        raise UpstreamError(
+            f"upstream {url} failed after {self.config.max_retries + 1} attempts; last error: {last}", status_code=502
+        )
+
+    async def _post_json(self, path: str, payload: bytes) -> dict[str, Any]:
+        last: Exception | None = None
+        for _ in range(self.config.max_retries + 1):
+            resp = await self._open(path, payload)
+            try:
+                raw = await resp.read()
+            except aiohttp.SocketTimeoutError as exc:
+                resp.close()
+                raise UpstreamError(
+                    f"upstream did not answer within {self.config.timeout_s}s", status_code=504
+                ) from exc
+            except aiohttp.ClientError as exc:  # cut off mid-body: nothing reached the agent yet, so retry
+                resp.close()
+                last = exc
+                continue
+            finally:
+                resp.release()
+            try:
+                data: dict[str, Any] = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise UpstreamError(f"upstream sent invalid JSON: {raw[:200]!r}", status_code=502) from exc
+            return data
+        raise UpstreamError(f"upstream reply cut off {self.config.max_retries + 1} times: {last}", status_code=502)
+
+    async def _stream(
+        self, path: str, body: dict[str, Any], asm: ChatStreamAssembler | CompletionStreamAssembler
+    ) -> AsyncIterator[StreamItem]:
+        keep_ids = bool(body.get("return_token_ids"))
+        keep_lps = bool(body.get("logprobs")) or body.get("logprobs") == 0
+        keep_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await self._open(path, self._upstream_body(body, stream=True))
+        finished = False
+        try:
+            async for payload in _sse_payloads(resp):
+                if payload == b"[DONE]":
+                    break
+                chunk = orjson.loads(payload)
+                if "error" in chunk and not chunk.get("choices"):
+                    raise UpstreamError(f"upstream stream error: {chunk['error']}", status_code=502)
+                asm.feed(chunk)
+                if not chunk.get("choices") and chunk.get("usage") is not None and not keep_usage:
+                    continue
+                if strip_engine_fields(chunk, keep_ids=keep_ids, keep_logprobs=keep_lps):
+                    yield chunk
+                else:
+                    yield payload
+            finished = True
+        except aiohttp.SocketTimeoutError as exc:
+            raise UpstreamError(f"upstream stalled for {self.config.timeout_s}s mid-stream", status_code=504) from exc
+        except (aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+            raise UpstreamError(f"upstream stream broke: {type(exc).__name__}: {exc}", status_code=502) from exc
+        finally:
+            if finished:
+                resp.release()
+            else:  # agent gone or upstream broken: drop the connection so the engine stops generating
+                resp.close()
+
+    def _result(self, body: dict[str, Any], data: dict[str, Any], tok: EngineTokens, ctx: CallContext) -> ChatResult:
+        keep_lps = bool(body.get("logprobs")) or body.get("logprobs") == 0
+        strip_engine_fields(data, keep_ids=bool(body.get("return_token_ids")), keep_logprobs=keep_lps)
+        checks: dict[str, Any] = {}
+        if tok.n_choices > 1:
+            checks["n_choices"] = tok.n_choices  # only choice 0 is recorded
+        prompt_ids = tok.prompt_ids or []
+        completion_ids = tok.completion_ids or []
+        logprobs = tok.logprobs or []
+        if tok.prompt_ids is None or tok.completion_ids is None:
+            checks["missing_token_ids"] = True
+        elif tok.logprobs is None:
+            checks["missing_logprobs"] = True
+        elif len(logprobs) != len(completion_ids):
+            checks["logprob_count_mismatch"] = [len(logprobs), len(completion_ids)]
+        usage = data.get("usage") or {}
+        return ChatResult(
+            response=data,
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=logprobs,
+            finish_reason=tok.finish_reason,
+            token_source="engine" if "missing_token_ids" not in checks else "retokenized",
+            policy_version=ctx.policy_version,
+            usage={k: v for k, v in usage.items() if isinstance(v, int)},
+            checks=checks,
+        )
+
+
+async def _sse_payloads(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of a server-sent-event stream, one per event line."""
+    buf = bytearray()
+    async for data in resp.content.iter_any():
+        buf += data
+        start = 0
+        while True:
+            end = buf.find(b"\n", start)
+            if end < 0:
+                break
+            line = bytes(buf[start:end]).rstrip(b"\r")
+            start = end + 1
+            if line.startswith(b"data:"):
+                yield line[5:].lstrip()
+        del buf[:start]
+    tail = bytes(buf).strip()
+    if tail.startswith(b"data:"):
+        yield tail[5:].lstrip()
+
+
+def _error_payload(raw: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,187 @@
+"""Write calls and rewards to the store off the request path, in batches, with back-pressure.
+
+Request handlers ``await recorder.add_call(call)``: that only puts the call on a bounded queue (it waits when
+``max_pending`` items are already waiting — back-pressure instead of unbounded memory when the store is slow). One
+background task takes everything queued (up to ``max_batch``), commits it with one ``record_calls`` and one
+``record_rewards``, and moves the committed mark forward. ``flush(attempt_id)`` is the durability barrier of
+``finish``: it returns once every call and reward queued for that attempt before it was called is committed, and
+raises ``StoreError`` if one of them could not be written.
+
+A failing batch is retried with backoff; if it keeps failing, its items are written one by one so that one bad item
+(say, a call for an attempt the store no longer knows) does not lose the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+
+from lightning_sdk.errors import LightningSDKError, StoreError, StoreUnavailableError
+from lightning_sdk.store.base import Store
+from lightning_sdk.types import Call, Reward
+
+__all__ = ["Recorder"]
+
+logger = logging.getLogger(__name__)
+
+
+class Recorder:
+    """Batched, bounded, background writer of calls and rewards (see the module docstring)."""
+
+    def __init__(
+        self, store: Store, *, max_pending: int = 4096, max_batch: int = 256, retries: int = 3, retry_s: float = 0.2
+    ) -> None:
+        self.store = store
+        self.max_batch = max_batch
+        self.retries = retries
+        self.retry_s = retry_s
+        self._queue: asyncio.Queue[Call | Reward] = asyncio.Queue(max_pending)
+        self._queued: dict[str, int] = defaultdict(int)  # attempt id -> items queued so far
+        self._done: dict[str, int] = defaultdict(int)  # attempt id -> items written (or given up on) so far
+        self._n_queued = 0
+        self._n_done = 0
+        self._failed: dict[str, list[str]] = defaultdict(list)
+        self._waiters: list[tuple[str | None, int, asyncio.Future[None]]] = []
+        self._overflow: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.written_calls = 0
+        self.written_rewards = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="lightning-sdk-recorder")
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Write everything queued, then stop the writer."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._wait_for(None, self._n_queued), timeout)
+        except TimeoutError:
+            logger.error("recorder: %d items not written at shutdown", self.pending)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+
+    @property
+    def pending(self) -> int:
+        """Items queued and not yet written."""
+        return self._n_queued - self._n_done
+
+    # -- producers -------------------------------------------------------------------------------------------------
+    async def add_call(self, call: Call) -> None:
+        """Queue a call; waits while ``max_pending`` items are already queued."""
+        self._count(call.attempt_id)
+        await self._queue.put(call)
+
+    async def add_reward(self, reward: Reward) -> None:
+        self._count(reward.attempt_id)
+        await self._queue.put(reward)
+
+    def add_call_nowait(self, call: Call) -> None:
+        """Queue a call without waiting (from a ``finally`` that must not block); overflows into a task."""
+        self._count(call.attempt_id)
+        try:
+            self._queue.put_nowait(call)
+        except asyncio.QueueFull:
+            task = asyncio.get_running_loop().create_task(self._queue.put(call))
+            self._overflow.add(task)
+            task.add_done_callback(self._overflow.discard)
+
+    def _count(self, attempt_id: str) -> None:
+        if self._task is None:
+            self.start()
+        self._queued[attempt_id] += 1
+        self._n_queued += 1
+
+    async def flush(self, attempt_id: str, timeout: float = 60.0) -> None:
+        """Wait until everything queued for ``attempt_id`` is committed; raise ``StoreError`` if some was lost."""
+        target = self._queued.get(attempt_id, 0)
+        try:
+            await asyncio.wait_for(self._wait_for(attempt_id, target), timeout)
+        except TimeoutError as exc:
+            raise StoreUnavailableError(f"attempt {attempt_id}: calls not committed within {timeout}s") from exc
+        if self._done.get(attempt_id, 0) >= self._queued.get(attempt_id, 0):
+            self._queued.pop(attempt_id, None)
+            self._done.pop(attempt_id, None)
+        errors = self._failed.pop(attempt_id, None)
+        if errors:
+            raise StoreError(f"attempt {attempt_id}: {len(errors)} calls/rewards could not be recorded: {errors[0]}")
+
+    def _reached(self, attempt_id: str | None, target: int) -> bool:
+        done = self._n_done if attempt_id is None else self._done.get(attempt_id, 0)
+        return done >= target
+
+    async def _wait_for(self, attempt_id: str | None, target: int) -> None:
+        if self._reached(attempt_id, target):
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((attempt_id, target, fut))
+        await fut
+
+    # -- the writer ------------------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self.max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await self._write(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the writer die: the barrier would hang
+                logger.exception("recorder: unexpected failure writing %d items", len(batch))
+                for item in batch:
+                    self._failed[item.attempt_id].append("unexpected recorder failure")
+            for item in batch:
+                self._done[item.attempt_id] += 1
+            self._n_done += len(batch)
+            self._wake()
+
+    def _wake(self) -> None:
+        still = []
+        for attempt_id, target, fut in self._waiters:
+            if self._reached(attempt_id, target):
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((attempt_id, target, fut))
+        self._waiters = still
+
+    async def _write(self, batch: list[Call | Reward]) -> None:
+        calls = [item for item in batch if isinstance(item, Call)]
+        rewards = [item for item in batch if isinstance(item, Reward)]
+        for attempt in range(self.retries + 1):
+            try:
+                await self._commit(calls, rewards)
+                return
+            except LightningSDKError as exc:
+                if attempt == self.retries or not isinstance(exc, StoreUnavailableError):
+                    break
+                logger.warning("recorder: store write failed (%s); retrying", exc)
+                await asyncio.sleep(self.retry_s * 2**attempt)
+        for item in batch:  # isolate the bad item(s)
+            await self._write_one(item)
+
+    async def _commit(self, calls: list[Call], rewards: list[Reward]) -> None:
+        if calls:
+            await self.store.record_calls(calls)
+            self.written_calls += len(calls)
+        if rewards:
+            await self.store.record_rewards(rewards)
+            self.written_rewards += len(rewards)
+
+    async def _write_one(self, item: Call | Reward) -> None:
+        try:
+            if isinstance(item, Call):
+                await self._commit([item], [])
+            else:
+                await self._commit([], [item])
+        except LightningSDKError as exc:
+            what = f"call {item.call_id}" if isinstance(item, Call) else f"reward {item.name!r}"
+            logger.error("recorder: could not record %s of attempt %s: %s", what, item.attempt_id, exc)
+            self._failed[item.attempt_id].append(f"{what}: {exc}")

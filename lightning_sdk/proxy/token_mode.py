@@ -1,0 +1,432 @@
+"""Token-in/token-out policy backends: the proxy renders, the engine sees ids, the store records exactly those ids.
+
+``TokenModeBackend`` serves OpenAI chat and completion requests with an ``Engine`` (embedded HF, SGLang
+``/generate``, vLLM with token-id prompts): it renders the messages with the policy's tokenizer and chat template,
+bridging over the attempt's earlier calls (``lightning_sdk.tokens.render_prompt``: earlier prompt + sampled ids
+reused verbatim under the ``exact`` history policy), sends the ids to ``engine.generate`` / ``engine.stream``,
+parses the sampled ids into the OpenAI message (content, reasoning, tool calls; streamed as deltas when asked) and
+returns the exact prompt ids, completion ids and log-probs with ``token_source="engine"``. ``checks["render"]``
+says whether the call extended an earlier one and, if not, why (the merge's split reason).
+
+``RetokenizingBackend`` wraps a backend whose engine returns text only (e.g. ``PassthroughBackend`` in front of an
+OpenAI-compatible server without ``return_token_ids``): calls that come back without ids get the prompt rendered
+with the policy template and the reply encoded, ``token_source="retokenized"``, and the checks of
+``lightning_sdk.tokens._retokenize`` in ``checks`` — never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from lightning_sdk.engines.base import Engine, Sampling
+from lightning_sdk.errors import EngineError, LightningSDKError, UpstreamError
+from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
+from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.tokens import (
+    ChatRenderer,
+    HistoryPolicy,
+    OutputParser,
+    PriorCall,
+    RenderedPrompt,
+    get_parser,
+    new_tool_call_id,
+    render_prompt,
+)
+from lightning_sdk.tokens._retokenize import retokenize_reply, retokenize_text
+
+__all__ = ["RetokenizingBackend", "TokenModeBackend", "TokenModeConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenModeConfig:
+    """Knobs of the token-mode backend."""
+
+    history: HistoryPolicy = "exact"  # "exact" (training default) or "template" (the official rendering)
+    model_name: str = "policy"  # what GET /v1/models lists
+    default_max_tokens: int = 1024  # when the request gives neither max_tokens nor max_completion_tokens
+
+
+async def _prior_calls(ctx: CallContext) -> list[PriorCall]:
+    calls = await ctx.earlier_calls()
+    prior = (PriorCall.from_call(c) for c in calls if c.is_policy and c.error is None)
+    return [p for p in prior if p is not None]
+
+
+def _openai_finish(engine_reason: str, has_tool_calls: bool) -> str:
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+class TokenModeBackend:
+    """A ``PolicyBackend`` over a token-in/token-out ``Engine`` (see the module docstring).
+
+    The engine is not closed by ``aclose``: whoever built it (the trainer, the daemon) owns it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        parser: OutputParser | None = None,
+        *,
+        config: TokenModeConfig | None = None,
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.parser = parser or get_parser(renderer)
+        self.config = config or TokenModeConfig()
+        logger.info(
+            "token mode: family %s, parser %s, history %s",
+            renderer.family.name,
+            self.parser.name,
+            self.config.history,
+        )
+
+    # -- request -> prompt ids and sampling --------------------------------------------------------------------------
+    async def _render(self, body: dict[str, Any], ctx: CallContext) -> RenderedPrompt:
+        if int(body.get("n") or 1) != 1:
+            raise ProxyHTTPError(400, "token mode samples one choice per call: n must be 1", param="n")
+        prior = await _prior_calls(ctx)
+        return await asyncio.to_thread(
+            render_prompt, self.renderer, body["messages"], body.get("tools"), prior, policy=self.config.history
+        )
+
+    def _sampling(self, body: dict[str, Any]) -> Sampling:
+        stop = body.get("stop")
+        fields: dict[str, Any] = {
+            "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens,
+            "stop": [stop] if isinstance(stop, str) else list(stop or []),
+            "stop_token_ids": sorted(self.renderer.stop_token_ids),
+        }
+        for key in ("temperature", "top_p", "seed"):
+            if body.get(key) is not None:
+                fields[key] = body[key]
+        try:
+            return Sampling(**fields)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = str(err["loc"][0]) if err.get("loc") else None
+            raise ProxyHTTPError(400, f"invalid sampling parameter: {err['msg']}", param=param) from exc
+
+    async def _generate(self, ids: list[int], sampling: Sampling, ctx: CallContext) -> Any:
+        try:
+            return await self.engine.generate(ids, sampling, session_id=ctx.attempt.attempt_id)
+        except EngineError as exc:
+            raise UpstreamError(f"engine failed: {exc}") from exc
+
+    # -- responses ---------------------------------------------------------------------------------------------------
+    def _logprob_entries(self, ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
+        entries = []
+        for tid, lp in zip(ids, logprobs, strict=False):
+            token = self.renderer.decode([tid])
+            entries.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": []})
+        return entries
+
+    def _chat_response(
+        self,
+        body: dict[str, Any],
+        rid: str,
+        created: int,
+        message: dict[str, Any],
+        finish: str,
+        prompt: RenderedPrompt,
+        completion_ids: list[int],
+        logprobs: list[float],
+    ) -> dict[str, Any]:
+        usage = _usage(len(prompt.prompt_ids), len(completion_ids))
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": self._logprob_entries(completion_ids, logprobs)}
+        response: dict[str, Any] = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": usage,
+        }
+        if body.get("return_token_ids"):
+            response["prompt_token_ids"] = prompt.prompt_ids
+            choice["token_ids"] = completion_ids
+        return response
+
+    def _result(
+        self,
+        response: dict[str, Any],
+        prompt: RenderedPrompt,
+        completion_ids: list[int],
+        logprobs: list[float],
+        finish: str,
+        engine_finish: str,
+        version: int | None,
+        ctx: CallContext,
+    ) -> ChatResult:
+        checks: dict[str, Any] = {"render": prompt.as_check()}
+        if engine_finish == "abort":
+            checks["engine_finish_reason"] = "abort"
+        if len(logprobs) != len(completion_ids):
+            checks["logprob_count_mismatch"] = [len(logprobs), len(completion_ids)]
+        return ChatResult(
+            response=response,
+            prompt_ids=prompt.prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            token_source="engine",
+            policy_version=version if version is not None else ctx.policy_version,
+            usage=_usage(len(prompt.prompt_ids), len(completion_ids)),
+            checks=checks,
+        )
+
+    def _with_ids(self, message: dict[str, Any]) -> dict[str, Any]:
+        for call in message.get("tool_calls") or ():
+            if not call.get("id"):
+                call["id"] = new_tool_call_id(self.renderer.family)
+        return message
+
+    # -- the PolicyBackend interface ----------------------------------------------------------------------------------
+    async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        prompt = await self._render(body, ctx)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body), ctx)
+        parsed = self.parser.parse(gen.completion_ids, prompt_ids=prompt.prompt_ids)
+        message = self._with_ids(parsed.to_message())
+        finish = _openai_finish(gen.finish_reason, bool(parsed.tool_calls))
+        ids, lps = list(gen.completion_ids), list(gen.logprobs)
+        response = self._chat_response(body, _chat_id(), int(time.time()), message, finish, prompt, ids, lps)
+        return self._result(response, prompt, ids, lps, finish, gen.finish_reason, gen.policy_version, ctx)
+
+    async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        prompt = await self._render(body, ctx)
+        sampling = self._sampling(body)
+        rid, created, model = _chat_id(), int(time.time()), body["model"]
+        want_lps = bool(body.get("logprobs"))
+        stream_parser = self.parser.stream(prompt_ids=prompt.prompt_ids)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None) -> Any:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            if lps is not None:
+                choice["logprobs"] = {"content": lps}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
+
+        yield chunk({"role": "assistant", "content": ""})
+        ids: list[int] = []
+        lps: list[float] = []
+        engine_finish = "stop"
+        version: int | None = None
+        try:
+            async for piece in self.engine.stream(prompt.prompt_ids, sampling, session_id=ctx.attempt.attempt_id):
+                ids += piece.ids
+                lps += piece.logprobs
+                if piece.finish_reason is not None:
+                    engine_finish = piece.finish_reason
+                if piece.policy_version is not None:
+                    version = piece.policy_version
+                lp_entries = self._logprob_entries(piece.ids, piece.logprobs) if want_lps else None
+                deltas = stream_parser.feed(piece.ids)
+                if not deltas and lp_entries:
+                    yield chunk({}, lps=lp_entries)
+                for i, delta in enumerate(deltas):
+                    yield chunk(delta, lps=lp_entries if i == 0 else None)
+        except EngineError as exc:
+            raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
+        for delta in stream_parser.finish():
+            yield chunk(delta)
+        message = stream_parser.message or {"role": "assistant", "content": ""}
+        finish = _openai_finish(engine_finish, bool(message.get("tool_calls")))
+        yield chunk({}, finish)
+        usage = _usage(len(prompt.prompt_ids), len(ids))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                   "usage": usage}  # fmt: skip
+        response = self._chat_response(body, rid, created, message, finish, prompt, ids, lps)
+        yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
+
+    def _completion_prompt(self, body: dict[str, Any]) -> RenderedPrompt:
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+            raw = raw[0]
+        if isinstance(raw, str):
+            return RenderedPrompt(self.renderer.encode(raw))
+        if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            return RenderedPrompt(list(raw))
+        raise ProxyHTTPError(400, "prompt must be one string or one list of token ids", param="prompt")
+
+    def _completion_text(self, ids: Sequence[int]) -> str:
+        text = self.renderer.decode(ids)
+        return self.parser.strip_stop(text)
+
+    def _completion_response(
+        self, body: dict[str, Any], rid: str, created: int, text: str, finish: str, prompt: RenderedPrompt,
+        ids: list[int], lps: list[float],
+    ) -> dict[str, Any]:  # fmt: skip
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        if body.get("logprobs") is not None and body.get("logprobs") is not False:
+            tokens = [self.renderer.decode([t]) for t in ids]
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": []}
+        response = {"id": rid, "object": "text_completion", "created": created, "model": body["model"],
+                    "choices": [choice], "usage": _usage(len(prompt.prompt_ids), len(ids))}  # fmt: skip
+        if body.get("return_token_ids"):
+            choice["prompt_token_ids"] = prompt.prompt_ids
+            choice["token_ids"] = ids
+        return response
+
+    async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        prompt = self._completion_prompt(body)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body), ctx)
+        ids, lps = list(gen.completion_ids), list(gen.logprobs)
+        finish = _openai_finish(gen.finish_reason, False)
+        text = self._completion_text(ids)
+        response = self._completion_response(body, _completion_id(), int(time.time()), text, finish, prompt, ids, lps)
+        return self._result(response, prompt, ids, lps, finish, gen.finish_reason, gen.policy_version, ctx)
+
+    async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        prompt = self._completion_prompt(body)
+        sampling = self._sampling(body)
+        rid, created, model = _completion_id(), int(time.time()), body["model"]
+        ids: list[int] = []
+        lps: list[float] = []
+        sent = ""
+        engine_finish = "stop"
+        version: int | None = None
+        try:
+            async for piece in self.engine.stream(prompt.prompt_ids, sampling, session_id=ctx.attempt.attempt_id):
+                ids += piece.ids
+                lps += piece.logprobs
+                engine_finish = piece.finish_reason or engine_finish
+                version = piece.policy_version if piece.policy_version is not None else version
+                text = self.renderer.decode(ids).rstrip("\ufffd")
+                if len(text) > len(sent) and text.startswith(sent) and piece.finish_reason is None:
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"index": 0, "text": text[len(sent):], "finish_reason": None,
+                                        "logprobs": None}]}  # fmt: skip
+                    sent = text
+        except EngineError as exc:
+            raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
+        final = self._completion_text(ids)
+        finish = _openai_finish(engine_finish, False)
+        tail = final[len(sent) :] if final.startswith(sent) else ""
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": tail, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        response = self._completion_response(body, rid, created, final, finish, prompt, ids, lps)
+        yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
+
+    async def models(self) -> list[str]:
+        return [self.config.model_name]
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RetokenizingBackend:
+    """Wraps a ``PolicyBackend`` whose engine may answer without token ids (see the module docstring)."""
+
+    def __init__(
+        self,
+        inner: PolicyBackend,
+        renderer: ChatRenderer,
+        parser: OutputParser | None = None,
+        *,
+        history: HistoryPolicy = "exact",
+    ) -> None:
+        self.inner = inner
+        self.renderer = renderer
+        self.parser = parser or get_parser(renderer)
+        self.history = history
+
+    def _needs_ids(self, result: ChatResult) -> bool:
+        return result.is_policy and result.error is None and not result.completion_ids
+
+    async def _fill_chat(self, body: dict[str, Any], ctx: CallContext, result: ChatResult) -> ChatResult:
+        if not self._needs_ids(result):
+            return result
+        choices = result.response.get("choices") or []
+        reply = choices[0].get("message") if choices else None
+        if not isinstance(reply, dict):
+            return result
+        try:
+            prior = await _prior_calls(ctx)
+            prompt = render_prompt(self.renderer, body["messages"], body.get("tools"), prior, policy=self.history)
+            engine_lps = result.logprobs if result.logprobs else _chat_logprobs(choices[0])
+            redo = retokenize_reply(self.renderer, self.parser, reply, engine_lps, prompt_ids=prompt.prompt_ids)
+        except LightningSDKError as exc:
+            logger.warning("call %s: retokenization failed: %s", ctx.call_id, exc)
+            result.checks["retokenization_failed"] = str(exc)
+            return result
+        result.prompt_ids, result.completion_ids, result.logprobs = (
+            prompt.prompt_ids,
+            redo.completion_ids,
+            redo.logprobs,
+        )
+        result.token_source = "retokenized"
+        result.checks.update(redo.checks, render=prompt.as_check())
+        return result
+
+    async def _fill_completion(self, body: dict[str, Any], result: ChatResult) -> ChatResult:
+        if not self._needs_ids(result):
+            return result
+        choices = result.response.get("choices") or []
+        raw = body.get("prompt")
+        if not choices or not isinstance(raw, str):
+            return result
+        lp = choices[0].get("logprobs") or {}
+        engine_lps = result.logprobs or (lp.get("token_logprobs") if isinstance(lp, dict) else None)
+        redo = retokenize_text(self.renderer, str(choices[0].get("text") or ""), engine_lps)
+        result.prompt_ids, result.completion_ids = self.renderer.encode(raw), redo.completion_ids
+        result.logprobs, result.token_source = redo.logprobs, "retokenized"
+        result.checks.update(redo.checks)
+        return result
+
+    async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        return await self._fill_chat(body, ctx, await self.inner.chat(body, ctx))
+
+    async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        async for item in self.inner.chat_stream(body, ctx):
+            yield await self._fill_chat(body, ctx, item) if isinstance(item, ChatResult) else item
+
+    async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        return await self._fill_completion(body, await self.inner.completions(body, ctx))
+
+    async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        async for item in self.inner.completions_stream(body, ctx):
+            yield await self._fill_completion(body, item) if isinstance(item, ChatResult) else item
+
+    async def models(self) -> list[str]:
+        return await self.inner.models()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _chat_logprobs(choice: dict[str, Any]) -> list[float] | None:
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, dict) else None
+    return [float(t["logprob"]) for t in content] if isinstance(content, list) else None
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chat_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def _completion_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex[:24]

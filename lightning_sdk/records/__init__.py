@@ -1,0 +1,52 @@
+"""Records: an attempt's calls merged into segments, scored with advantages, batched for trainers, exported.
+
+The data path is pure functions over plain typed data::
+
+    calls ──merge_attempt──▶ segments ──build_records (advantages)──▶ records ──build_batch──▶ padded arrays
+                                                                           └──write_records──▶ JSONL / Parquet
+
+See docs/records.md for the format, the merge rules and the estimators.
+"""
+
+from lightning_sdk.records.advantages import (
+    AdvantageConfig,
+    AdvantageInput,
+    Estimator,
+    compute_advantages,
+    discounted_returns,
+    estimator_names,
+    get_estimator,
+    reference_advantages,
+    register_estimator,
+    zero_variance_groups,
+)
+from lightning_sdk.records.build import BuildResult, RecordsConfig, RolloutReport, build_records
+from lightning_sdk.records.record import SPLIT_REASONS, CallSpan, Record, Segment, SplitReason, visualize
+from lightning_sdk.records.segments import MergeOptions, MergeResult, MergeStats, merge_attempt
+
+__all__ = [
+    "SPLIT_REASONS",
+    "AdvantageConfig",
+    "AdvantageInput",
+    "BuildResult",
+    "CallSpan",
+    "Estimator",
+    "MergeOptions",
+    "MergeResult",
+    "MergeStats",
+    "Record",
+    "RecordsConfig",
+    "RolloutReport",
+    "Segment",
+    "SplitReason",
+    "build_records",
+    "compute_advantages",
+    "discounted_returns",
+    "estimator_names",
+    "get_estimator",
+    "merge_attempt",
+    "reference_advantages",
+    "register_estimator",
+    "visualize",
+    "zero_variance_groups",
+]

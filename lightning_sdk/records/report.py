@@ -1,0 +1,64 @@
+"""Print the fidelity report with rich: per rollout, what was traced, what is trained, where the tokens came from."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from lightning_sdk.records.build import BuildResult
+
+__all__ = ["render_report"]
+
+
+def _fmt(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
+
+
+def render_report(result: BuildResult, console: Console | None = None, *, max_rows: int = 50) -> None:
+    """Print a table of the first ``max_rows`` rollouts and a summary line to ``console``."""
+    console = console or Console()
+    table = Table(title="records: token fidelity per rollout", show_lines=False)
+    for col in (
+        "rollout",
+        "calls",
+        "trained",
+        "segments",
+        "split reasons",
+        "tokens",
+        "trained tok",
+        "completion tokens by source",
+        "prompt tokens by source",
+        "reward",
+        "advantage",
+        "note",
+    ):
+        table.add_column(col, overflow="fold")
+    for rep in result.reports[:max_rows]:
+        s = rep.stats
+        table.add_row(
+            rep.rollout_id,
+            str(s.calls),
+            str(s.trained_calls),
+            str(rep.segments),
+            _fmt(rep.split_reasons),
+            str(rep.tokens),
+            str(rep.tokens_trained),
+            _fmt(s.completion_tokens_by_source),
+            _fmt(s.prompt_tokens_by_source),
+            "-" if rep.reward is None else f"{rep.reward:.4g}",
+            "-" if rep.advantage is None else f"{rep.advantage:.4g}",
+            rep.note or ("zero-variance group" if rep.zero_variance_group else ""),
+        )
+    console.print(table)
+    if len(result.reports) > max_rows:
+        console.print(f"... {len(result.reports) - max_rows} more rollouts (see --report FILE for all)")
+    summ = result.summary()
+    console.print(
+        f"{summ['records']} records from {summ['rollouts_trained']}/{summ['rollouts']} rollouts in "
+        f"{summ['groups']} groups; {summ['tokens_trained']}/{summ['tokens']} tokens trained; "
+        f"zero-variance groups: {summ['zero_variance_groups']}; split reasons: {_fmt(summ['split_reasons'])}; "
+        f"truncated segments: {summ['truncated_segments']}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )

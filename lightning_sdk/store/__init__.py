@@ -1,0 +1,28 @@
+"""The store: tasks, groups, rollouts, attempts, calls and rewards behind one async interface.
+
+``MemoryStore`` (tests), ``SQLiteStore`` (one WAL file, the embedded default) and ``HTTPStore`` (the same API
+served by ``store_routes`` at ``/lightning/v1/store``); ``open_store(spec)`` picks one from a string. See
+docs/store.md.
+"""
+
+from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
+from lightning_sdk.store._reaper import reap_leases
+from lightning_sdk.store._sync import run_sync
+from lightning_sdk.store.base import FinishedGroup, Store
+from lightning_sdk.store.http_client import HTTPStore
+from lightning_sdk.store.http_server import store_routes
+from lightning_sdk.store.memory import MemoryStore
+from lightning_sdk.store.sqlite import SQLiteStore
+
+__all__ = [
+    "ADMIN_KEY_ENV",
+    "FinishedGroup",
+    "HTTPStore",
+    "MemoryStore",
+    "SQLiteStore",
+    "Store",
+    "open_store",
+    "reap_leases",
+    "run_sync",
+    "store_routes",
+]

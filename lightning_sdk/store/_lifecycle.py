@@ -1,0 +1,210 @@
+"""The lifecycle moves of the store as pure functions over the data model (no I/O).
+
+Every store (memory, SQLite) reads the current objects, calls one of these functions and writes back what it
+returns, so the rules live here once: ``check_rollout_transition`` / ``check_attempt_transition`` run on every move,
+``attempts_used`` is counted the same way everywhere, and a finished attempt decides the rollout's next status here.
+
+Counting rule: a claim counts an attempt against ``max_attempts`` at once (``attempts_used += 1``); a released
+attempt gives it back (``attempts_used -= 1``), so released attempts never count.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Iterable
+
+from lightning_sdk.errors import ConfigError, InvalidTransitionError
+from lightning_sdk.types import (
+    TERMINAL_ROLLOUT,
+    Attempt,
+    AttemptStatus,
+    Group,
+    Rollout,
+    RolloutStatus,
+    Task,
+    check_attempt_transition,
+    check_rollout_transition,
+    new_id,
+)
+
+__all__ = [
+    "ROLLOUT_STATUSES",
+    "cancel",
+    "check_consumable",
+    "decode_cursor",
+    "encode_cursor",
+    "end_attempt",
+    "extend_lease",
+    "group_finished",
+    "new_group",
+    "new_rollouts",
+    "new_token",
+    "open_session_objects",
+    "start_attempt",
+    "validate_enqueue",
+]
+
+ROLLOUT_STATUSES: tuple[str, ...] = tuple(s.value for s in RolloutStatus)
+
+
+def new_token() -> str:
+    """An unguessable attempt token (256 bits from ``secrets``)."""
+    return "lsk-" + secrets.token_urlsafe(32)
+
+
+def validate_enqueue(tasks: list[Task], n: int, max_attempts: int, split: str, group_ids: list[str] | None) -> None:
+    """Raise ``ConfigError`` for arguments no store can accept."""
+    if n < 1:
+        raise ConfigError(f"enqueue: n must be >= 1, got {n}")
+    if max_attempts < 1:
+        raise ConfigError(f"enqueue: max_attempts must be >= 1, got {max_attempts}")
+    if not split:
+        raise ConfigError("enqueue: split must be a non-empty string")
+    for i, task in enumerate(tasks):
+        if not isinstance(task, dict):
+            raise ConfigError(f"enqueue: tasks[{i}] must be a JSON object (dict), got {type(task).__name__}")
+    if group_ids is not None:
+        if len(group_ids) != len(tasks):
+            raise ConfigError(f"enqueue: {len(group_ids)} group_ids for {len(tasks)} tasks")
+        if len(set(group_ids)) != len(group_ids):
+            raise ConfigError("enqueue: group_ids must be distinct")
+        if any(not g for g in group_ids):
+            raise ConfigError("enqueue: group_ids must be non-empty strings")
+
+
+def new_group(task: Task, n: int, split: str, group_id: str | None, ts: float) -> Group:
+    return Group(group_id=group_id or new_id("gr"), task=task, n=n, split=split, created_at=ts)
+
+
+def new_rollouts(group: Group, count: int, max_attempts: int, ts: float) -> list[Rollout]:
+    """``count`` queued rollouts of ``group``."""
+    return [
+        Rollout(
+            rollout_id=new_id("ro"),
+            group_id=group.group_id,
+            task=group.task,
+            split=group.split,
+            status=RolloutStatus.QUEUED,
+            max_attempts=max_attempts,
+            attempts_used=0,
+            created_at=ts,
+            updated_at=ts,
+        )
+        for _ in range(count)
+    ]
+
+
+def start_attempt(
+    rollout: Rollout, index: int, worker_id: str | None, lease_expires_at: float | None, ts: float
+) -> tuple[Rollout, Attempt]:
+    """queued -> running with a new running attempt (counted against ``max_attempts``)."""
+    check_rollout_transition(rollout.rollout_id, rollout.status, RolloutStatus.RUNNING)
+    if rollout.attempts_used >= rollout.max_attempts:
+        raise InvalidTransitionError(
+            f"rollout {rollout.rollout_id}: all {rollout.max_attempts} attempts used; cannot start another"
+        )
+    new_rollout = rollout.model_copy(
+        update={"status": RolloutStatus.RUNNING, "attempts_used": rollout.attempts_used + 1, "updated_at": ts}
+    )
+    attempt = Attempt(
+        attempt_id=new_id("at"),
+        rollout_id=rollout.rollout_id,
+        index=index,
+        token=new_token(),
+        status=AttemptStatus.RUNNING,
+        worker_id=worker_id,
+        lease_expires_at=lease_expires_at,
+        started_at=ts,
+    )
+    return new_rollout, attempt
+
+
+def open_session_objects(group: Group, ts: float) -> tuple[Rollout, Attempt]:
+    """A rollout of ``group`` that is running at once with its first attempt (no lease, max_attempts 1)."""
+    (rollout,) = new_rollouts(group, 1, 1, ts)
+    return start_attempt(rollout, 0, None, None, ts)
+
+
+def end_attempt(
+    rollout: Rollout, attempt: Attempt, status: AttemptStatus, error: str | None, ts: float
+) -> tuple[Rollout, Attempt]:
+    """running attempt -> ``status``, and the rollout's consequent move.
+
+    succeeded -> rollout succeeded; failed / timed_out -> queued again while attempts remain, else failed;
+    released -> gives its attempt back and the rollout is queued again.
+    """
+    check_attempt_transition(attempt.attempt_id, attempt.status, status)
+    new_attempt = attempt.model_copy(update={"status": status, "error": error, "ended_at": ts})
+    used = rollout.attempts_used
+    if status is AttemptStatus.SUCCEEDED:
+        target = RolloutStatus.SUCCEEDED
+    else:
+        if status is AttemptStatus.RELEASED:
+            used = max(0, used - 1)
+        target = RolloutStatus.QUEUED if used < rollout.max_attempts else RolloutStatus.FAILED
+    check_rollout_transition(rollout.rollout_id, rollout.status, target)
+    new_rollout = rollout.model_copy(update={"status": target, "attempts_used": used, "updated_at": ts})
+    return new_rollout, new_attempt
+
+
+def extend_lease(attempt: Attempt, lease_s: float, ts: float) -> Attempt:
+    """A running attempt with its lease moved to ``ts + lease_s`` (a session without a lease keeps none)."""
+    if attempt.status is not AttemptStatus.RUNNING:
+        raise InvalidTransitionError(
+            f"attempt {attempt.attempt_id}: cannot heartbeat, it is {attempt.status.value!r}, not 'running'"
+        )
+    if lease_s <= 0:
+        raise ConfigError(f"heartbeat: lease_s must be > 0, got {lease_s}")
+    if attempt.lease_expires_at is None:
+        return attempt
+    return attempt.model_copy(update={"lease_expires_at": ts + lease_s})
+
+
+def cancel(rollout: Rollout, ts: float) -> Rollout:
+    """queued -> cancelled."""
+    check_rollout_transition(rollout.rollout_id, rollout.status, RolloutStatus.CANCELLED)
+    return rollout.model_copy(update={"status": RolloutStatus.CANCELLED, "updated_at": ts})
+
+
+def group_finished(statuses: Iterable[RolloutStatus]) -> bool:
+    """True when the group has rollouts and all of them are terminal."""
+    seen = False
+    for s in statuses:
+        seen = True
+        if s not in TERMINAL_ROLLOUT:
+            return False
+    return seen
+
+
+def check_consumable(group: Group, statuses: Iterable[RolloutStatus], step: int) -> bool:
+    """True if ``step`` newly consumes ``group``; False if ``step`` already did; raises otherwise."""
+    if group.consumed_step == step:
+        return False
+    if group.consumed_step is not None:
+        raise InvalidTransitionError(
+            f"group {group.group_id}: already consumed by step {group.consumed_step}, cannot consume at step {step}"
+        )
+    if not group_finished(statuses):
+        raise InvalidTransitionError(f"group {group.group_id}: not every rollout is finished, cannot consume it")
+    return True
+
+
+# -- cursors ---------------------------------------------------------------------------------------------------------
+def encode_cursor(seq: int) -> str:
+    """An opaque cursor for the position after creation sequence number ``seq``."""
+    return base64.urlsafe_b64encode(f"r1:{seq}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str | None) -> int:
+    """The creation sequence number a cursor points after (0 for None); ``ConfigError`` if it is not ours."""
+    if cursor is None or cursor == "":
+        return 0
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        prefix, _, number = raw.partition(":")
+        if prefix != "r1":
+            raise ValueError(prefix)
+        return int(number)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"invalid cursor {cursor!r}") from exc

@@ -1,0 +1,37 @@
+"""``open_store(spec)``: one string (a CLI flag, a config value) names the store to use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.store.base import Store
+from lightning_sdk.store.http_client import HTTPStore
+from lightning_sdk.store.memory import MemoryStore
+from lightning_sdk.store.sqlite import SQLiteStore
+
+__all__ = ["ADMIN_KEY_ENV", "open_store"]
+
+ADMIN_KEY_ENV = "LIGHTNING_SDK_ADMIN_KEY"
+
+
+def open_store(spec: str | Path, *, admin_key: str | None = None, timeout: float = 30.0, retries: int = 5) -> Store:
+    """The store named by ``spec``.
+
+    - ``"memory"``: a new ``MemoryStore``;
+    - ``"http://..."`` / ``"https://..."``: an ``HTTPStore`` for the store served at that URL (the daemon's is
+      ``http://HOST:PORT/lightning/v1/store``), authorised by ``admin_key`` or ``$LIGHTNING_SDK_ADMIN_KEY``;
+    - anything else: the path of a ``SQLiteStore`` file (created if missing).
+    """
+    text = str(spec).strip()
+    if not text:
+        raise ConfigError("store: an empty spec; give 'memory', an http(s) URL or a file path")
+    if text == "memory":
+        return MemoryStore()
+    if text.startswith(("http://", "https://")):
+        key = admin_key or os.environ.get(ADMIN_KEY_ENV)
+        if not key:
+            raise ConfigError(f"store {text}: an admin key is needed (pass admin_key or set ${ADMIN_KEY_ENV})")
+        return HTTPStore(text, key, timeout=timeout, retries=retries)
+    return SQLiteStore(Path(text).expanduser())

@@ -1,0 +1,223 @@
+"""The SQLite schema of ``SQLiteStore`` and the conversions between its rows and the data model (no I/O).
+
+Token ids are stored as little-endian int32 blobs and logprobs as little-endian float64 blobs: compact, and exact
+(a float64 blob gives back the very same float). Everything else that is free-form (tasks, call request/response,
+usage, meta) is compact JSON text written by orjson.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import struct
+import sys
+from array import array
+from typing import Any
+
+import orjson
+
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.types import Attempt, AttemptStatus, Call, Group, Rollout, RolloutStatus
+
+__all__ = [
+    "ATTEMPT_COLS",
+    "GROUP_COLS",
+    "ROLLOUT_COLS",
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "attempt_from_row",
+    "call_from_row",
+    "call_to_row",
+    "connect",
+    "dumps",
+    "group_from_row",
+    "loads",
+    "rollout_from_row",
+]
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id      TEXT NOT NULL UNIQUE,
+    task          TEXT NOT NULL,            -- JSON object
+    n             INTEGER NOT NULL,
+    split         TEXT NOT NULL,
+    created_at    REAL NOT NULL,
+    consumed_step INTEGER                   -- NULL until a training step consumes the group
+);
+CREATE INDEX IF NOT EXISTS groups_unconsumed ON groups(split, seq) WHERE consumed_step IS NULL;
+
+CREATE TABLE IF NOT EXISTS rollouts (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order; list cursors point at it
+    rollout_id    TEXT NOT NULL UNIQUE,
+    group_id      TEXT NOT NULL,
+    task          TEXT,                     -- JSON object, NULL = the group's task
+    split         TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    max_attempts  INTEGER NOT NULL,
+    attempts_used INTEGER NOT NULL,
+    created_at    REAL NOT NULL,
+    updated_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status, seq);
+CREATE INDEX IF NOT EXISTS rollouts_queue ON rollouts(split, seq) WHERE status = 'queued';
+CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts(group_id, seq);
+
+CREATE TABLE IF NOT EXISTS attempts (
+    attempt_id       TEXT PRIMARY KEY,
+    rollout_id       TEXT NOT NULL,
+    idx              INTEGER NOT NULL,
+    token            TEXT NOT NULL UNIQUE,
+    status           TEXT NOT NULL,
+    worker_id        TEXT,
+    error            TEXT,
+    lease_expires_at REAL,
+    started_at       REAL NOT NULL,
+    ended_at         REAL,
+    UNIQUE (rollout_id, idx)
+);
+CREATE INDEX IF NOT EXISTS attempts_running ON attempts(status) WHERE status = 'running';
+
+CREATE TABLE IF NOT EXISTS calls (
+    call_id        TEXT PRIMARY KEY,
+    attempt_id     TEXT NOT NULL,
+    rollout_id     TEXT NOT NULL,
+    seq            INTEGER NOT NULL,
+    started_at     REAL NOT NULL,
+    prompt_ids     BLOB NOT NULL,           -- int32 little-endian
+    completion_ids BLOB NOT NULL,           -- int32 little-endian
+    logprobs       BLOB NOT NULL,           -- float64 little-endian
+    body           TEXT NOT NULL            -- JSON of the other fields of Call
+);
+CREATE INDEX IF NOT EXISTS calls_attempt ON calls(attempt_id, seq, started_at);
+
+CREATE TABLE IF NOT EXISTS rewards (
+    attempt_id TEXT NOT NULL,
+    name       TEXT NOT NULL,
+    call_id    TEXT NOT NULL DEFAULT '',    -- '' = the attempt's final reward
+    rollout_id TEXT NOT NULL,
+    value      REAL NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (attempt_id, name, call_id)
+);
+
+CREATE TABLE IF NOT EXISTS versions (
+    version    INTEGER PRIMARY KEY,
+    step       INTEGER,
+    created_at REAL NOT NULL,
+    meta       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS resources (name TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+GROUP_COLS = "g.group_id, g.task, g.n, g.split, g.created_at, g.consumed_step"
+ROLLOUT_COLS = (
+    "r.rollout_id, r.group_id, COALESCE(r.task, g.task), r.split, r.status, r.max_attempts, r.attempts_used, "
+    "r.created_at, r.updated_at"
+)
+ATTEMPT_COLS = "attempt_id, rollout_id, idx, token, status, worker_id, error, lease_expires_at, started_at, ended_at"
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def dumps(value: Any, what: str) -> str:
+    """Compact JSON text; ``ConfigError`` naming ``what`` if the value is not JSON."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError as exc:
+        raise ConfigError(f"{what} is not JSON-serialisable: {exc}") from exc
+
+
+def loads(text: str | bytes) -> Any:
+    return orjson.loads(text)
+
+
+def _pack(typecode: str, values: list[int] | list[float], what: str) -> bytes:
+    """Little-endian bytes (``struct.pack`` is about twice as fast as ``array(...)`` from a list)."""
+    try:
+        return struct.pack(f"<{len(values)}{typecode}", *values)
+    except struct.error as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+def _unpack(typecode: str, blob: bytes) -> array[Any]:
+    arr = array(typecode)
+    arr.frombytes(blob)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr
+
+
+def group_from_row(row: tuple[Any, ...]) -> Group:
+    return Group(group_id=row[0], task=loads(row[1]), n=row[2], split=row[3], created_at=row[4], consumed_step=row[5])
+
+
+def rollout_from_row(row: tuple[Any, ...]) -> Rollout:
+    return Rollout(
+        rollout_id=row[0],
+        group_id=row[1],
+        task=loads(row[2]),
+        split=row[3],
+        status=RolloutStatus(row[4]),
+        max_attempts=row[5],
+        attempts_used=row[6],
+        created_at=row[7],
+        updated_at=row[8],
+    )
+
+
+def attempt_from_row(row: tuple[Any, ...]) -> Attempt:
+    return Attempt(
+        attempt_id=row[0],
+        rollout_id=row[1],
+        index=row[2],
+        token=row[3],
+        status=AttemptStatus(row[4]),
+        worker_id=row[5],
+        error=row[6],
+        lease_expires_at=row[7],
+        started_at=row[8],
+        ended_at=row[9],
+    )
+
+
+_CALL_BLOBS = {"prompt_ids", "completion_ids", "logprobs"}
+
+
+def call_to_row(call: Call) -> tuple[Any, ...]:
+    """(call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body)."""
+    body = dumps(call.model_dump(exclude=_CALL_BLOBS), f"call {call.call_id}")
+    return (
+        call.call_id,
+        call.attempt_id,
+        call.rollout_id,
+        call.seq,
+        call.started_at,
+        _pack("i", call.prompt_ids, f"call {call.call_id} prompt_ids"),
+        _pack("i", call.completion_ids, f"call {call.call_id} completion_ids"),
+        _pack("d", call.logprobs, f"call {call.call_id} logprobs"),
+        body,
+    )
+
+
+def call_from_row(row: tuple[Any, ...]) -> Call:
+    """From (prompt_ids, completion_ids, logprobs, body)."""
+    data = loads(row[3])
+    data["prompt_ids"] = _unpack("i", row[0]).tolist()
+    data["completion_ids"] = _unpack("i", row[1]).tolist()
+    data["logprobs"] = _unpack("d", row[2]).tolist()
+    return Call.model_validate(data)
+
+
+def connect(path: str, *, synchronous: str, busy_timeout_s: float, readonly: bool) -> sqlite3.Connection:
+    """A connection in WAL mode with the given ``synchronous`` level, used from one thread at a time."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=busy_timeout_s)
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+    if not readonly:
+        conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    if readonly:
+        conn.execute("PRAGMA query_only = ON")
+    return conn

@@ -1,0 +1,236 @@
+"""The wire shapes of the store's HTTP API: one pydantic model per request/response body, and the error mapping.
+
+Shared by ``http_server`` (which parses requests and writes responses) and ``http_client`` (the reverse), so both
+ends agree by construction. Bodies are JSON written and read with orjson; errors use the OpenAI error shape
+``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+from lightning_sdk.errors import (
+    AuthError,
+    ConfigError,
+    InvalidTransitionError,
+    LightningSDKError,
+    NotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
+from lightning_sdk.types import (
+    Attempt,
+    AttemptStatus,
+    Call,
+    Claim,
+    Group,
+    PolicyVersion,
+    Resource,
+    Reward,
+    Rollout,
+    RolloutDetail,
+    Task,
+)
+
+__all__ = [
+    "AttemptBody",
+    "AttemptsBody",
+    "CallsBody",
+    "ClaimBody",
+    "ClaimRequest",
+    "ConsumeBody",
+    "ConsumeRequest",
+    "CountsBody",
+    "EnqueueRequest",
+    "ErrorBody",
+    "ErrorDetail",
+    "FinishRequest",
+    "FinishedGroupBody",
+    "FinishedGroupsBody",
+    "GroupsBody",
+    "HeartbeatRequest",
+    "MaybeAttemptBody",
+    "MetaBody",
+    "OkBody",
+    "OpenSessionRequest",
+    "ResourcesBody",
+    "RewardsBody",
+    "RolloutBody",
+    "RolloutDetailBody",
+    "RolloutPageBody",
+    "TokenRequest",
+    "VersionBody",
+    "dump",
+    "error_for",
+    "error_from",
+]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- requests ---------------------------------------------------------------------------------------------------------
+class EnqueueRequest(_Wire):
+    tasks: list[Task]
+    n: int = 1
+    max_attempts: int = 1
+    split: str = "train"
+    group_ids: list[str] | None = None
+
+
+class OpenSessionRequest(_Wire):
+    task: Task | None = None
+    group_id: str | None = None
+
+
+class ClaimRequest(_Wire):
+    worker_id: str
+    lease_s: float = 60.0
+    split: str | None = None
+
+
+class HeartbeatRequest(_Wire):
+    lease_s: float = 60.0
+
+
+class FinishRequest(_Wire):
+    status: AttemptStatus
+    error: str | None = None
+
+
+class TokenRequest(_Wire):
+    token: str
+
+
+class CallsBody(_Wire):
+    calls: list[Call]
+
+
+class RewardsBody(_Wire):
+    rewards: list[Reward]
+
+
+class ConsumeRequest(_Wire):
+    step: int
+    group_ids: list[str]
+
+
+class MetaBody(_Wire):
+    value: Any = None
+
+
+# -- responses --------------------------------------------------------------------------------------------------------
+class GroupsBody(_Wire):
+    groups: list[Group]
+
+
+class ClaimBody(_Wire):
+    claim: Claim | None
+
+
+class AttemptBody(_Wire):
+    attempt: Attempt
+
+
+class MaybeAttemptBody(_Wire):
+    attempt: Attempt | None
+
+
+class AttemptsBody(_Wire):
+    attempts: list[Attempt]
+
+
+class RolloutBody(_Wire):
+    rollout: Rollout
+
+
+class RolloutDetailBody(_Wire):
+    detail: RolloutDetail
+
+
+class RolloutPageBody(_Wire):
+    rollouts: list[Rollout]
+    next: str | None
+
+
+class CountsBody(_Wire):
+    counts: dict[str, int]
+
+
+class FinishedGroupBody(_Wire):
+    group: Group
+    rollouts: list[RolloutDetail]
+
+
+class FinishedGroupsBody(_Wire):
+    groups: list[FinishedGroupBody]
+
+
+class ConsumeBody(_Wire):
+    consumed: list[str]
+
+
+class VersionBody(_Wire):
+    version: PolicyVersion | None
+
+
+class ResourcesBody(_Wire):
+    resources: list[Resource]
+
+
+class OkBody(_Wire):
+    ok: bool = True
+
+
+class ErrorDetail(_Wire):
+    message: str
+    type: str
+    code: str | None = None
+
+
+class ErrorBody(_Wire):
+    error: ErrorDetail = Field(...)
+
+
+def dump(model: BaseModel) -> bytes:
+    """A wire model as compact JSON bytes (floats written so that they read back exactly)."""
+    return orjson.dumps(model.model_dump())
+
+
+# -- errors -----------------------------------------------------------------------------------------------------------
+# (exception class, HTTP status, OpenAI error type, code); the first match in order wins, so subclasses come first.
+_ERRORS: list[tuple[type[LightningSDKError], int, str, str]] = [
+    (NotFoundError, 404, "not_found_error", "not_found"),
+    (InvalidTransitionError, 409, "conflict_error", "invalid_transition"),
+    (StoreUnavailableError, 503, "service_unavailable_error", "store_unavailable"),
+    (ConfigError, 400, "invalid_request_error", "invalid_argument"),
+    (AuthError, 401, "authentication_error", "invalid_admin_key"),
+    (StoreError, 500, "server_error", "store_error"),
+]
+
+
+def error_for(exc: LightningSDKError) -> tuple[int, ErrorBody]:
+    """The HTTP status and body that report ``exc``."""
+    for cls, status, kind, code in _ERRORS:
+        if isinstance(exc, cls):
+            return status, ErrorBody(error=ErrorDetail(message=str(exc), type=kind, code=code))
+    return 500, ErrorBody(error=ErrorDetail(message=str(exc), type="server_error", code="internal_error"))
+
+
+def error_from(status: int, content: bytes) -> LightningSDKError:
+    """The exception a client raises for an error response (by ``code`` when it is ours, else by status)."""
+    try:
+        detail = ErrorBody.model_validate(orjson.loads(content)).error
+        message, code = detail.message, detail.code
+    except (orjson.JSONDecodeError, ValueError):
+        message, code = content[:500].decode(errors="replace") or f"HTTP {status}", None
+    for cls, cls_status, _, cls_code in _ERRORS:
+        if code == cls_code or (code is None and status == cls_status):
+            return cls(message)
+    if 400 <= status < 500:
+        return ConfigError(f"store refused the request (HTTP {status}): {message}")
+    return StoreError(f"store failed (HTTP {status}): {message}")

@@ -1,0 +1,52 @@
+"""Token fidelity: render chat messages to the policy's token ids, bridge follow-up calls, parse replies.
+
+- ``ChatRenderer``: the policy's tokenizer + chat template (``render(messages, tools) -> ids``).
+- ``render_prompt``: a call's prompt ids, reusing an earlier call's prompt + sampled ids verbatim (history policies
+  ``exact`` and ``template``), with the reason when the call starts a new segment.
+- ``get_parser`` / ``OutputParser`` / ``StreamingParser``: completion ids -> OpenAI assistant message or deltas.
+- ``retokenize``: the never-silent fallback for engines that return text only.
+
+See docs/tokens.md.
+"""
+
+from lightning_sdk.tokens import _parsers as _parsers  # registers the family parsers
+from lightning_sdk.tokens._bridge import HistoryPolicy, PriorCall, RenderedPrompt, SplitReason, render_prompt
+from lightning_sdk.tokens._families import FAMILIES, Family, detect_family, get_family, register_family
+from lightning_sdk.tokens._messages import message_key, message_text, short_tool_call_id, to_template_messages
+from lightning_sdk.tokens._parse import (
+    PARSERS,
+    OutputParser,
+    ParsedReply,
+    StreamingParser,
+    ToolCall,
+    get_parser,
+    new_tool_call_id,
+    register_parser,
+)
+from lightning_sdk.tokens._render import ChatRenderer
+
+__all__ = [
+    "FAMILIES",
+    "PARSERS",
+    "ChatRenderer",
+    "Family",
+    "HistoryPolicy",
+    "OutputParser",
+    "ParsedReply",
+    "PriorCall",
+    "RenderedPrompt",
+    "SplitReason",
+    "StreamingParser",
+    "ToolCall",
+    "detect_family",
+    "get_family",
+    "get_parser",
+    "message_key",
+    "message_text",
+    "new_tool_call_id",
+    "register_family",
+    "register_parser",
+    "render_prompt",
+    "short_tool_call_id",
+    "to_template_messages",
+]

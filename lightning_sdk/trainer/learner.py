@@ -1,0 +1,210 @@
+"""The embedded learner: one policy-gradient update per training step on a local torch model.
+
+    loss = token-mean over trained tokens of  w_t * ppo_clip(pi_old, pi_theta, A_t)
+    w_t  = min(exp(logp_old - logp_rollout), tis_cap)     (truncated importance sampling, detached)
+
+``pi_old`` is the learner's own policy at the start of the step and ``logp_rollout`` is what the engine recorded
+when it sampled the token. With one update per step ``pi_old == pi_theta`` numerically, so the ratio starts at 1 and
+the clip only guards a further update; the off-policy gap of asynchronous training (a group sampled some versions
+ago) is corrected by ``w_t`` and bounded by the daemon's ``max_staleness``. Log-probs use the sampling temperature,
+as the embedded engine records them. An optional KL to a frozen reference (k3 estimator) and the entropy metric
+come from the same forward pass. Micro-batches are cut by a token budget; gradients are clipped by norm; AdamW with
+linear warmup.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from lightning_sdk.errors import TrainerError
+from lightning_sdk.trainer.losses import LossSettings, get_policy_loss
+
+__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerConfig:
+    """Optimisation settings of the embedded learner."""
+
+    lr: float = 1e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    loss: str = "ppo_clip"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    micro_batch_tokens: int = 8192
+
+
+@dataclass
+class TrainBatch:
+    """Padded training rows (right padding). Position t of ``logprobs``/``advantages``/``loss_mask`` describes token
+    ``input_ids[:, t]`` (the token, not the prediction made at t); the learner shifts."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] 1 on real tokens
+    loss_mask: torch.Tensor  # [B, T] 1 on sampled tokens that are trained
+    logprobs: torch.Tensor  # [B, T] rollout log-probs (0 where loss_mask is 0)
+    advantages: torch.Tensor  # [B, T]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        for name in ("attention_mask", "loss_mask", "logprobs", "advantages"):
+            if getattr(self, name).shape != shape:
+                raise TrainerError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
+
+
+def token_logprobs(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each token given its prefix, and the entropy of each predictive distribution.
+
+    Returns two [B, T-1] tensors aligned with ``input_ids[:, 1:]``.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1, :].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class Learner:
+    """Owns the trainable model and its optimizer; ``step(batch)`` does one update and returns metrics."""
+
+    def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None) -> None:
+        self.config = config or LearnerConfig()
+        self.model = model
+        self.model.train()
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.loss_fn = get_policy_loss(self.config.loss)
+        self.loss_settings = LossSettings(
+            self.config.clip_ratio_low, self.config.clip_ratio_high, self.config.clip_ratio_c
+        )
+        self.reference: PreTrainedModel | None = None
+        if self.config.kl_coef > 0:
+            self.reference = copy.deepcopy(model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        self.steps = 0
+
+    def _lr_factor(self, step: int) -> float:
+        return min(1.0, (step + 1) / max(1, self.config.warmup_steps))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to resume the optimisation exactly."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "steps": self.steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the current weights (what the engine swaps in)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer update on ``batch``; returns loss and diagnostics (means over trained tokens)."""
+        cfg = self.config
+        n_tokens = float(batch.loss_mask[:, 1:].sum().item())
+        if n_tokens == 0:
+            raise TrainerError("the batch has no trained tokens")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "is_weight": 0.0, "kl_ref": 0.0, "rollout_kl": 0.0}
+        extra: dict[str, float] = {}
+        for rows in _micro_batches(batch.attention_mask, cfg.micro_batch_tokens):
+            ids = batch.input_ids[rows].to(self.device)
+            attn = batch.attention_mask[rows].to(self.device)
+            width = int(attn.sum(-1).max().item())
+            ids, attn = ids[:, :width], attn[:, :width]
+            mask = batch.loss_mask[rows][:, 1:width].to(self.device).float()
+            rollout_lp = batch.logprobs[rows][:, 1:width].to(self.device).float()
+            adv = batch.advantages[rows][:, 1:width].to(self.device).float()
+            logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature)
+            old = logp.detach()
+            is_weight = torch.clamp(torch.exp(old - rollout_lp), max=cfg.tis_cap) * mask
+            per_token, metrics = self.loss_fn(old, logp, adv, mask, self.loss_settings)
+            per_token = per_token * is_weight
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.temperature)
+                log_r = ref_lp - logp
+                kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, non-negative
+                per_token = per_token + cfg.kl_coef * kl
+                totals["kl_ref"] += float((kl.detach() * mask).sum().item())
+            loss = (per_token * mask).sum() / n_tokens
+            loss.backward()
+            share = float(mask.sum().item()) / n_tokens
+            totals["loss"] += float(loss.item())
+            totals["entropy"] += float((entropy * mask).sum().item())
+            totals["is_weight"] += float(is_weight.sum().item())
+            totals["rollout_kl"] += float(((rollout_lp - old) * mask).sum().item())
+            for k, v in metrics.items():
+                extra[k] = extra.get(k, 0.0) + v * share
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item())
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainerError("non-finite gradient norm; the update was skipped")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.steps += 1
+        out = {
+            "loss": totals["loss"],
+            "entropy": totals["entropy"] / n_tokens,
+            "is_weight": totals["is_weight"] / n_tokens,
+            "rollout_kl": totals["rollout_kl"] / n_tokens,
+            "grad_norm": grad_norm,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+            "tokens": n_tokens,
+        }
+        if self.reference is not None:
+            out["kl_ref"] = totals["kl_ref"] / n_tokens
+        out.update(extra)
+        return out
+
+
+def _micro_batches(attention_mask: torch.Tensor, token_budget: int) -> Iterator[list[int]]:
+    """Rows grouped by length so that rows x longest row stays within ``token_budget`` (at least one row each)."""
+    lengths = attention_mask.sum(-1).tolist()
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    group: list[int] = []
+    longest = 0
+    for i in order:
+        longest_if = max(longest, int(lengths[i]))
+        if group and longest_if * (len(group) + 1) > token_budget:
+            yield group
+            group, longest_if = [], int(lengths[i])
+        group.append(i)
+        longest = longest_if
+    if group:
+        yield group

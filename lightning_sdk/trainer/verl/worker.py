@@ -1,0 +1,150 @@
+"""One trainer rank: verl's own ``ActorRolloutRefWorker`` (FSDP actor, optional reference) in this process.
+
+verl's single controller normally creates these workers through ``RayWorkerGroup``, which also starts rollout
+servers, checkpoint engines and a hybrid engine that we do not use (our engines are separate servers behind the
+proxy). We construct the same worker class ourselves, one per rank, with the environment it expects (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and call its registered methods directly:
+``init_model``, ``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``. The ``VerlRank`` class is plain
+Python so it runs without Ray (``scripts/gpu_check.sh``, single-process tests); ``backend.py`` wraps it in a Ray
+actor per GPU.
+
+Inputs are TensorDicts in verl's no-padding layout (``left_right_2_no_padding``), built by the driver from a
+``DataProto`` (see ``batch.py``); outputs are plain tensors and floats so they cross Ray cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_sdk.errors import TrainerError
+
+__all__ = ["VerlRank"]
+
+logger = logging.getLogger(__name__)
+
+
+def _scalar(value: Any) -> float:
+    """A verl metric (a float, a tensor, a ``Metric``, or a list of those) as one float (mean)."""
+    if isinstance(value, list):
+        vals = [_scalar(v) for v in value]
+        return sum(vals) / len(vals) if vals else 0.0
+    if hasattr(value, "value") and not isinstance(value, torch.Tensor):
+        return _scalar(value.value)
+    if isinstance(value, torch.Tensor):
+        return float(value.float().mean())
+    return float(value)
+
+
+class VerlRank:
+    """verl's FSDP actor (and reference, when ``use_kl_loss``) for one data-parallel rank."""
+
+    def __init__(self, config: Any, *, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        """``config`` is the full verl ``DictConfig`` from ``to_verl_config`` (or its YAML text, across Ray)."""
+        from omegaconf import OmegaConf
+
+        if isinstance(config, str):
+            config = OmegaConf.create(config)
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        device = str(config.trainer.get("device", "cuda"))
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0",
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        if device == "cpu":
+            from lightning_sdk.trainer.verl._cpu_platform import install_cpu_platform
+
+            install_cpu_platform()
+        if not torch.distributed.is_initialized():
+            backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
+            torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        self.use_ref = bool(config.actor_rollout_ref.actor.use_kl_loss)
+        role = "actor_rollout_ref" if self.use_ref else "actor"
+        try:
+            from verl.workers.engine_workers import ActorRolloutRefWorker
+
+            t0 = time.perf_counter()
+            self.worker: Any = ActorRolloutRefWorker(config=config.actor_rollout_ref, role=role.replace("_rollout", ""))
+            self.worker.init_model()
+        except Exception as exc:
+            raise TrainerError(f"verl worker rank {rank} failed to build its model: {exc}") from exc
+        logger.info("verl rank %d/%d ready on %s in %.1fs", rank, world_size, device, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------------------------------------- compute
+    def compute_log_prob(self, td: Any) -> torch.Tensor:
+        """Log-probs of the responses under the current actor, padded to ``(B, R)``."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        out = self.worker.compute_log_prob(td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
+
+    def compute_ref_log_prob(self, td: Any) -> torch.Tensor:
+        """Log-probs under the frozen reference model, padded to ``(B, R)``."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        if not self.use_ref:
+            raise TrainerError("the reference model is built only when kl_coef > 0")
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        out = self.worker.compute_ref_log_prob(td)
+        return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
+
+    def update_actor(self, td: Any) -> dict[str, float]:
+        """One verl actor update (``mini_batch_size`` rows per optimizer step, ``epochs`` passes)."""
+        from verl.utils import tensordict_utils as tu
+
+        out = self.worker.update_actor(td)
+        metrics = tu.get(out, "metrics") if out is not None else {}
+        return {k: _scalar(v) for k, v in metrics.items()}
+
+    # ---------------------------------------------------------------------------------------------------- weights
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The actor's full (unsharded) weights on CPU, HF names. Collective: every rank must call it."""
+        engine = self.worker.actor.engine
+        gen, _ = engine.get_per_tensor_param()
+        state = {name: t.detach().to("cpu", copy=True) for name, t in gen}
+        return state if self.rank == 0 else {}
+
+    def save_hf(self, path: str) -> str:
+        """Write the actor's weights as a Hugging Face checkpoint under ``path`` (rank 0 writes; collective).
+
+        ``model.safetensors`` plus the config and tokenizer files of the original model directory: what SGLang's
+        ``update_weights_from_disk``, our vLLM reload extension and the embedded engine read. A tied ``lm_head``
+        is left out, as ``save_pretrained`` does.
+        """
+        state = self.full_state_dict()
+        if self.rank == 0:
+            import shutil
+
+            from safetensors.torch import save_file
+
+            src = Path(str(self.config.actor_rollout_ref.model.path))
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            hf_config = self.worker.actor.engine.model_config.hf_config
+            if getattr(hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+            for f in src.iterdir():
+                if (
+                    f.is_file()
+                    and not f.name.endswith((".safetensors", ".bin", ".pt"))
+                    and f.name != "model.safetensors.index.json"
+                ):
+                    shutil.copy2(f, out / f.name)
+        return path
+
+    def ping(self) -> int:
+        return self.rank

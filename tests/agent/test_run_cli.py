@@ -1,0 +1,109 @@
+"""``lightning-sdk run`` as a real subprocess against a real proxy (uvicorn thread) over a SQLite store file: the
+``--tasks`` evaluation mode with its summary, and graceful SIGINT in daemon mode (in-flight attempts finish)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lightning_sdk.types import RolloutStatus
+from tests.agent.stack import ADMIN_KEY, assert_calls_traced, threaded_proxy_stack
+
+ROOT = Path(__file__).resolve().parents[2]
+# The command as installed (``lightning-sdk``) is ``lightning_sdk.cli:main``; this launcher makes sure ``run`` is
+# registered whatever else the CLI package wires, and keeps ``run`` a sub-command.
+LAUNCH = (
+    "import sys; import lightning_sdk.cli.run_cmd; from lightning_sdk.cli._app import app\n"
+    "if app.registered_callback is None:\n    app.callback()(lambda: None)\n"
+    "app(prog_name='lightning-sdk')\n"
+)
+
+AGENT = '''
+import lightning_sdk.agent as la
+
+@la.rollout(max_attempts=2)
+def agent(task, llm):
+    client = llm.openai_client()
+    reply = client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    if task["q"] == "crash":
+        raise ValueError("this task always crashes")
+    return 1.0 if task["q"].startswith("good") else 0.0
+
+@la.rollout
+def slow(task, llm):
+    import time
+    time.sleep(1.0)
+    llm.openai_client().chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
+    return 1.0
+'''
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
+    (tmp_path / "my_agent.py").write_text(AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"q": q}) for q in ["good 1", "good 2", "bad", "crash"]) + "\n")
+    summary_file = tmp_path / "summary.json"
+    with threaded_proxy_stack(tmp_path) as st:
+        proc = subprocess.run(
+            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:agent", "--server", st.url,
+             "--workers", "3", "--tasks", str(tasks), "--admin-key", ADMIN_KEY, "--summary", str(summary_file),
+             "--no-progress"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(summary_file.read_text())
+        assert (summary["n"], summary["succeeded"], summary["success_rate"], summary["mean_reward"]) == (4, 3, 0.5, 0.5)
+        assert [f["status"] for f in summary["failed"]] == ["failed"]
+        assert "ValueError: this task always crashes" in summary["failed"][0]["error"]
+        assert "success_rate=0.500" in proc.stderr and "this task always crashes" in proc.stderr
+        statuses = sorted(a["status"] for a in summary["attempts"])
+        assert statuses == ["failed", "failed", "succeeded", "succeeded", "succeeded"]
+        for a in summary["attempts"]:
+            if a["status"] == "succeeded":
+                assert_calls_traced(st.server.call(st.store.get_rollout(a["rollout_id"])))
+
+        bad = subprocess.run(
+            [sys.executable, "-c", LAUNCH, "run", "no_such_module:agent", "--server", st.url, "--admin-key", "k"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "cannot import 'no_such_module'" in bad.stderr
+
+
+def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
+    (tmp_path / "my_agent.py").write_text(AGENT)
+    with threaded_proxy_stack(tmp_path) as st:
+        st.server.call(st.store.enqueue([{"q": str(i)} for i in range(6)]))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:slow", "--server", st.url,
+             "--workers", "2", "--admin-key", ADMIN_KEY, "--no-progress"],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while st.server.call(st.store.counts()).get("running", 0) < 2:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        counts = st.server.call(st.store.counts())
+        assert counts.get("running", 0) == 0
+        assert counts.get("succeeded") == 2 and counts.get("queued") == 4, counts
+        assert "attempts=2" in err and "succeeded=2" in err
+        page, _ = st.server.call(st.store.list_rollouts(status=RolloutStatus.SUCCEEDED))
+        for r in page:
+            assert_calls_traced(st.server.call(st.store.get_rollout(r.rollout_id)))

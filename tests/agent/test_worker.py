@@ -1,0 +1,203 @@
+"""WorkerPool and run_tasks end to end: real proxy app + mock upstream on loopback, a real SQLite store file, real
+openai clients inside the agents. Covers async/sync/command agents, retries after a crash, timeouts, heartbeats
+keeping a short lease alive, and graceful stop (drain and release)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+
+import lightning_sdk.agent as la
+from lightning_sdk.types import AttemptStatus, RolloutStatus
+from tests.agent.stack import assert_calls_traced, proxy_stack
+
+
+@la.rollout
+async def async_agent(task: dict[str, str], llm: la.LLM) -> float:
+    client = llm.async_openai_client()
+    resp = await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    la.emit_reward(0.5, name="format")
+    return 1.0 if "mock" in (resp.choices[0].message.content or "") else 0.0
+
+
+@la.rollout
+def sync_agent(task: dict[str, str], llm: la.LLM) -> None:
+    client = llm.openai_client()
+    for turn in range(2):
+        client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": f"{task['q']} {turn}"}])
+    la.emit_reward(0.25)
+
+
+async def test_run_tasks_async_and_sync_agents_trace_every_call(tmp_path: Path) -> None:
+    async with proxy_stack(tmp_path) as st:
+        tasks = [{"q": f"question {i}"} for i in range(4)]
+        s1 = await la.run_tasks(async_agent, st.store, st.url, tasks, n_workers=3)
+        s2 = await la.run_tasks(sync_agent, st.store, st.url, tasks[:2], n=2, n_workers=4)
+        assert (s1.n, s1.succeeded, s1.success_rate, s1.mean_reward) == (4, 4, 1.0, 1.5)  # reward 1.0 + format 0.5
+        assert (s2.n, s2.succeeded, s2.success_rate, s2.mean_reward) == (4, 4, 1.0, 0.25)
+        assert s1.split != s2.split and s1.split.startswith("run-")
+        for r in s1.rollouts + s2.rollouts:
+            detail = await st.store.get_rollout(r.rollout_id)
+            assert_calls_traced(detail, min_calls=1 if r in s1.rollouts else 2)
+            ok = detail.succeeded_attempt()
+            assert ok is not None and detail.rollout.split in (s1.split, s2.split)
+        first = await st.store.get_rollout(s1.rollouts[0].rollout_id)
+        ok = first.succeeded_attempt()
+        assert ok is not None
+        assert sorted((w.name, w.value) for w in ok.rewards) == [("format", 0.5), ("reward", 1.0)]
+        assert ok.calls[0].request["messages"][0]["content"] == first.rollout.task["q"]
+        assert s1.to_dict()["n"] == 4 and s1.to_dict()["failed"] == []
+
+
+async def test_crash_is_retried_up_to_max_attempts_with_the_traceback(tmp_path: Path) -> None:
+    tries: dict[str, int] = {}
+
+    @la.rollout(max_attempts=2)
+    async def flaky(task: dict[str, str], llm: la.LLM) -> float:
+        tries[task["q"]] = tries.get(task["q"], 0) + 1
+        await llm.async_openai_client().chat.completions.create(
+            model=llm.model, messages=[{"role": "user", "content": task["q"]}]
+        )
+        if task["q"] == "always" or tries[task["q"]] == 1:
+            raise RuntimeError(f"agent bug on {task['q']}")
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        summary = await la.run_tasks(flaky, st.store, st.url, [{"q": "once"}, {"q": "always"}], n_workers=2)
+        assert tries == {"once": 2, "always": 2}
+        by_task = {r.task["q"]: r for r in summary.rollouts}
+        assert by_task["once"].status == "succeeded" and by_task["once"].reward == 1.0
+        assert by_task["always"].status == "failed" and "RuntimeError: agent bug on always" in (
+            by_task["always"].error or ""
+        )
+        assert (summary.n, summary.succeeded, summary.success_rate, summary.mean_reward) == (2, 1, 0.5, 0.5)
+        once = await st.store.get_rollout(by_task["once"].rollout_id)
+        assert [a.attempt.status for a in once.attempts] == [AttemptStatus.FAILED, AttemptStatus.SUCCEEDED]
+        assert "Traceback" in (once.attempts[0].attempt.error or "")
+        assert len(once.attempts[0].calls) == 1  # the failed attempt's call is kept, under its own attempt
+        assert_calls_traced(once)
+        statuses = sorted(a.status for a in summary.attempts)
+        assert statuses == ["failed", "failed", "failed", "succeeded"]
+
+
+async def test_timeout_fails_the_attempt_and_its_token_stops_working(tmp_path: Path) -> None:
+    late: list[str] = []
+
+    @la.rollout(timeout=0.5)
+    def slow(task: dict[str, str], llm: la.LLM) -> float:
+        time.sleep(1.0)
+        try:
+            llm.openai_client(max_retries=0).chat.completions.create(
+                model=llm.model, messages=[{"role": "user", "content": "too late"}]
+            )
+            late.append("accepted")
+        except Exception as exc:
+            late.append(type(exc).__name__)
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        summary = await la.run_tasks(slow, st.store, st.url, [{"q": "x"}], n_workers=1)
+        assert summary.rollouts[0].status == "failed"
+        assert "timed out after 0.5 s" in (summary.rollouts[0].error or "")
+        for _ in range(100):
+            if late:
+                break
+            await asyncio.sleep(0.05)
+        assert late == ["ConflictError"]  # HTTP 409: the attempt is no longer running
+        detail = await st.store.get_rollout(summary.rollouts[0].rollout_id)
+        assert detail.attempts[0].calls == []
+
+
+async def test_command_agent_through_the_pool(tmp_path: Path) -> None:
+    script = tmp_path / "cli_agent.py"
+    script.write_text(
+        "import os, sys, openai, httpx\n"
+        "c = openai.OpenAI()\n"
+        "r = c.chat.completions.create(model=os.environ['OPENAI_MODEL'],"
+        " messages=[{'role': 'user', 'content': sys.argv[1]}])\n"
+        "print(r.choices[0].message.content)\n"
+        "httpx.post(os.environ['LIGHTNING_SDK_REWARD_URL'], json={'value': 0.5, 'name': 'self'},"
+        " headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']}).raise_for_status()\n"
+    )
+    agent = la.CommandAgent(
+        [sys.executable, str(script), "{task[q]}"], reward=lambda task, out, code: float("mock" in out), timeout=60
+    )
+    async with proxy_stack(tmp_path) as st:
+        summary = await la.run_tasks(agent, st.store, st.url, [{"q": "hi"}, {"q": "there"}], n_workers=2)
+        assert (summary.n, summary.succeeded, summary.mean_reward) == (2, 2, 1.5)
+        for r in summary.rollouts:
+            detail = await st.store.get_rollout(r.rollout_id)
+            assert_calls_traced(detail)
+            ok = detail.succeeded_attempt()
+            assert ok is not None and ok.calls[0].request["messages"][0]["content"] == r.task["q"]
+            assert sorted((w.name, w.value) for w in ok.rewards) == [("reward", 1.0), ("self", 0.5)]
+
+
+async def test_heartbeats_keep_a_short_lease_alive(tmp_path: Path) -> None:
+    @la.rollout
+    async def long(task: dict[str, str], llm: la.LLM) -> float:
+        await asyncio.sleep(1.2)
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        stop = asyncio.Event()
+
+        async def reaper() -> list[str]:
+            expired: list[str] = []
+            while not stop.is_set():
+                expired += [a.attempt_id for a in await st.store.expire_leases()]
+                await asyncio.sleep(0.05)
+            return expired
+
+        reaping = asyncio.create_task(reaper())
+        summary = await la.run_tasks(long, st.store, st.url, [{"q": "1"}], lease_s=0.4, heartbeat_s=0.1)
+        stop.set()
+        assert await reaping == []
+        assert summary.succeeded == 1
+
+
+async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> None:
+    gate = threading.Event()
+    started = asyncio.Event()
+
+    @la.rollout
+    async def waits(task: dict[str, str], llm: la.LLM) -> float:
+        started.set()
+        while not gate.is_set():
+            await asyncio.sleep(0.02)
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        groups = await st.store.enqueue([{"q": str(i)} for i in range(5)], split="s")
+        # drain: two in flight finish after stop(), the other three stay queued
+        pool = la.WorkerPool(waits, st.store, st.url, n_workers=2, split="s", poll_s=0.05)
+        running = asyncio.create_task(pool.run_until())
+        await started.wait()
+        await asyncio.sleep(0.1)
+        pool.stop()
+        gate.set()
+        results = await running
+        assert sorted(r.status for r in results) == ["succeeded", "succeeded"]
+        counts = await st.store.counts()
+        assert (counts.get("succeeded"), counts.get("queued")) == (2, 3)
+
+        # release: in-flight attempts go back to the queue, not counted against max_attempts
+        gate.clear()
+        started.clear()
+        pool2 = la.WorkerPool(waits, st.store, st.url, n_workers=3, split="s", poll_s=0.05)
+        running = asyncio.create_task(pool2.run_until())
+        await started.wait()
+        await asyncio.sleep(0.2)
+        pool2.stop(release=True)
+        results = await running
+        assert sorted(r.status for r in results) == ["released"] * 3
+        counts = await st.store.counts()
+        assert (counts.get("succeeded"), counts.get("queued")) == (2, 3)
+        page, _ = await st.store.list_rollouts(status=RolloutStatus.QUEUED)
+        assert all(r.attempts_used == 0 for r in page)
+        await pool.close()
+        await pool2.close()
+        assert len(groups) == 5

@@ -1,0 +1,176 @@
+"""Export round trip through a real SQLite store file and the ``lightning-sdk records`` command; batches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import typer
+from typer.testing import CliRunner, Result
+
+import lightning_sdk.cli.records_cmd  # noqa: F401  (registers the command)
+from lightning_sdk.cli._app import app
+from lightning_sdk.errors import RecordError
+from lightning_sdk.records import build_records
+from lightning_sdk.records.batch import build_batch, to_torch
+from lightning_sdk.records.export import COLUMNS, export_records, load_groups, read_jsonl
+from lightning_sdk.store.sqlite import SQLiteStore
+from lightning_sdk.types import AttemptStatus, Call, Reward
+from tests.records.calls import Attempt, full
+
+QWEN_IM_START = 151644
+
+
+def _invoke(args: list[str]) -> Result:
+    """Run ``lightning-sdk records ...`` on the shared app (typer collapses an app with one command into it)."""
+    if not hasattr(typer.main.get_command(app), "commands"):
+        args = args[1:]
+    return CliRunner().invoke(app, args)
+
+
+async def _fill(path: Path) -> dict[str, list[Call]]:
+    """Two groups of two rollouts; one rollout compacts, one fails, one group has equal rewards."""
+    store = SQLiteStore(path)
+    calls_by_attempt: dict[str, list[Call]] = {}
+    try:
+        await store.enqueue([{"q": "a"}, {"q": "b"}], n=2, group_ids=["grp-a", "grp-b"])
+        plan = {0: (1.0, "ok"), 1: (0.0, "compact"), 2: (1.0, "ok"), 3: (None, "fail")}
+        for i in range(4):
+            claim = await store.claim(f"w{i}")
+            assert claim is not None
+            att = claim.attempt
+            a = Attempt(att.attempt_id, att.rollout_id)
+            c0 = a.call([QWEN_IM_START, 10 + i, 11], [20, 21, 22], version=1)
+            c1 = a.call([*full(c0), 30], [40, 41], version=2)
+            if plan[i][1] == "compact":
+                a.call([QWEN_IM_START, 10 + i, 90], [91])
+            a.call([], [], source="external", is_policy=False, logprobs=[])
+            await store.record_calls(a.calls)
+            calls_by_attempt[att.attempt_id] = a.calls
+            reward, kind = plan[i]
+            if kind == "fail":
+                await store.finish_attempt(att.attempt_id, AttemptStatus.FAILED, error="boom")
+                continue
+            assert reward is not None and c1.call_id
+            await store.record_rewards([Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=reward)])
+            await store.finish_attempt(att.attempt_id, AttemptStatus.SUCCEEDED)
+    finally:
+        await store.close()
+    return calls_by_attempt
+
+
+async def test_export_round_trip_through_sqlite_file(tmp_path: Path) -> None:
+    db = tmp_path / "store.db"
+    calls = await _fill(db)
+    store = SQLiteStore(db)
+    try:
+        groups = await load_groups(store)
+        result = await export_records(store, tmp_path / "out.jsonl")
+    finally:
+        await store.close()
+    assert [g.group.group_id for g in groups] == ["grp-a", "grp-b"]
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert all(tuple(r) == COLUMNS for r in rows)
+    # 3 succeeded attempts: 1 + 2 (compaction) + 1 segments; the failed attempt has none
+    assert len(rows) == 4 and len(result.records) == 4
+    by_attempt: dict[str, list[dict[str, object]]] = {}
+    for r in rows:
+        by_attempt.setdefault(str(r["attempt_id"]), []).append(r)
+    assert len(by_attempt) == 3
+    for aid, rs in by_attempt.items():
+        policy = [c for c in calls[aid] if c.is_policy]
+        trained = {tuple(c.completion_ids): c.logprobs for c in policy}
+        seen = []
+        for r in rs:
+            ids, mask, lps = r["input_ids"], r["loss_mask"], r["logprobs"]
+            assert isinstance(ids, list) and isinstance(mask, list) and isinstance(lps, list)
+            assert len(ids) == len(mask) == len(lps)
+            run: list[int] = []
+            for k, m in enumerate(mask):
+                if m:
+                    run.append(k)
+                if run and (not m or k == len(mask) - 1):
+                    seen.append((tuple(ids[run[0] : run[-1] + 1]), lps[run[0] : run[-1] + 1]))
+                    run = []
+        assert sorted(seen) == sorted(trained.items())  # every completion once, exact logprobs
+    grp_a = [r for r in rows if r["group"] == "grp-a"]
+    assert {r["reward"] for r in grp_a} == {0.0, 1.0}
+    assert [r["split_reason"] for r in grp_a if r["reward"] == 0.0] == [None, "compaction"]
+    assert [r["segment"] for r in grp_a if r["reward"] == 0.0] == [0, 1]
+    first = next(r for r in grp_a if r["reward"] == 1.0)
+    assert first["policy_versions"] == [1, 2] and first["truncated"] is False
+    assert first["advantage"] == pytest.approx(0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6))
+    grp_b = [r for r in rows if r["group"] == "grp-b"]  # one success, one failure: a group of one
+    assert len(grp_b) == 1 and result.zero_variance_groups == 0
+
+
+def test_cli_writes_jsonl_parquet_and_report(tmp_path: Path) -> None:
+    import asyncio
+
+    from tests.support.tokenizers import tokenizer_dir
+
+    db = tmp_path / "store.db"
+    asyncio.run(_fill(db))
+    out, report = tmp_path / "rec.jsonl", tmp_path / "report.json"
+    args = ["records", "--store", str(db), "--tokenizer", str(tokenizer_dir("qwen3")), "--out", str(out)]
+    res = _invoke([*args, "--report", str(report), "--show", "1", "--max-length", "8"])
+    assert res.exit_code == 0, res.output
+    assert "wrote 4 records" in res.output and "<|im_start|>" in res.output
+    rows = read_jsonl(out)
+    assert len(rows) == 4 and any(r["truncated"] for r in rows)
+    assert all(len(r["input_ids"]) <= 8 for r in rows)
+    rep = json.loads(report.read_text())
+    assert rep["summary"]["records"] == 4 and rep["summary"]["rollouts"] == 4
+    failed = [r for r in rep["rollouts"] if not r["trained"]]
+    assert len(failed) == 1 and "no succeeded attempt" in failed[0]["note"]
+    compacted = next(r for r in rep["rollouts"] if r["segments"] == 2)
+    assert compacted["split_reasons"] == {"compaction": 1} and compacted["external_calls"] == 1
+    assert compacted["completion_tokens_by_source"] == {"engine": 6}
+
+    pq_out = tmp_path / "rec.parquet"
+    res = _invoke([*args[:-1], str(pq_out), "--estimator", "rloo", "--quiet"])
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(pq_out)
+    assert tuple(table.column_names) == COLUMNS
+    res = _invoke([*args, "--estimator", "rloo", "--quiet"])
+    assert res.exit_code == 0, res.output
+    jsonl_rows = read_jsonl(out)
+    pq_rows = table.to_pylist()
+    assert [r["input_ids"] for r in pq_rows] == [r["input_ids"] for r in jsonl_rows]
+    assert [r["logprobs"] for r in pq_rows] == [r["logprobs"] for r in jsonl_rows]
+    assert [r["advantage"] for r in pq_rows] == pytest.approx([r["advantage"] for r in jsonl_rows])
+
+
+def test_cli_errors_are_clear(tmp_path: Path) -> None:
+    res = _invoke(["records", "--store", str(tmp_path / "missing.db"), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and "does not exist" in res.output
+    db = tmp_path / "s.db"
+    import asyncio
+
+    asyncio.run(_fill(db))
+    res = _invoke(["records", "--store", str(db), "--out", str(tmp_path / "o"), "--estimator", "ppo"])
+    assert res.exit_code == 1 and "unknown advantage estimator 'ppo'" in res.output and "rloo" in res.output
+
+
+def test_batch_pads_records_and_converts_to_torch() -> None:
+    from tests.records.test_records_advantages import _group, _rollout
+
+    res = build_records([_group("g", [_rollout("g", 0, 1.0), _rollout("g", 1, 0.0)])])
+    batch = build_batch(res.records, pad_id=-1, pad_to_multiple_of=8)
+    n0 = len(res.records[0])
+    assert batch["input_ids"].shape == (2, 16) and batch["input_ids"][0, n0:].tolist() == [-1] * (16 - n0)
+    assert batch["attention_mask"][0].sum() == n0
+    assert batch["position_ids"][0, :n0].tolist() == list(range(n0))
+    np.testing.assert_array_equal(batch["loss_mask"][0, :n0], res.records[0].loss_mask)
+    np.testing.assert_allclose(batch["old_logprobs"][0, :n0], res.records[0].logprobs, rtol=1e-6)
+    np.testing.assert_allclose(batch["advantages"][1, :n0], res.records[1].advantages, rtol=1e-6)
+    assert batch["sample_weight"].tolist() == [1.0, 1.0]
+    tensors = to_torch(batch)
+    assert tuple(tensors["input_ids"].shape) == (2, 16) and str(tensors["input_ids"].dtype) == "torch.int64"
+    with pytest.raises(RecordError, match="max_length"):
+        build_batch(res.records, max_length=3)
+    with pytest.raises(RecordError):
+        build_batch([])

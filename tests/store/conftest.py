@@ -1,0 +1,87 @@
+"""Fixtures for the store tests: the same behavioural tests run over every store implementation.
+
+``store`` is parametrised over ``memory``, ``sqlite`` (a real file in tmp_path) and ``http`` (a real uvicorn server
+on a free loopback port serving ``store_routes`` over a SQLiteStore file, used through ``HTTPStore``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from lightning_sdk.store import MemoryStore, Store
+
+ADMIN_KEY = "test-admin-key"
+
+
+def free_socket() -> socket.socket:
+    """A bound loopback socket on a free port (handed to uvicorn, so there is no race for the port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class ServerThread:
+    """A uvicorn server for ``store_routes(store)`` mounted at /lightning/v1/store, in a background thread."""
+
+    def __init__(self, store: Store, sock: socket.socket | None = None) -> None:
+        from lightning_sdk.store.http_server import store_routes
+
+        app = Starlette(routes=[Mount("/lightning/v1/store", routes=store_routes(store, ADMIN_KEY))])
+        self.sock = sock or free_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/lightning/v1/store"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@pytest.fixture(params=["memory", "sqlite", "http"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    kind: str = request.param
+    if kind == "memory":
+        s: Store = MemoryStore()
+        yield s
+        await s.close()
+    elif kind == "sqlite":
+        from lightning_sdk.store.sqlite import SQLiteStore
+
+        s = SQLiteStore(tmp_path / "store.db")
+        yield s
+        await s.close()
+    else:
+        from lightning_sdk.store.http_client import HTTPStore
+        from lightning_sdk.store.sqlite import SQLiteStore
+
+        backing = SQLiteStore(tmp_path / "store.db")
+        server = ServerThread(backing).start()
+        s = HTTPStore(server.url, ADMIN_KEY, timeout=10.0, retries=2)
+        try:
+            yield s
+        finally:
+            await s.close()
+            server.stop()
+            await backing.close()

@@ -1,0 +1,213 @@
+"""SQLiteStore specifics: durability across SIGKILL, reopening, the token cache, indexes and error translation."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_sdk.errors import StoreError, StoreUnavailableError
+from lightning_sdk.store import SQLiteStore
+from lightning_sdk.types import AttemptStatus, RolloutStatus
+
+from .crash_writer import ids_for
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def _run_writer_and_kill(db: Path, kill_after_finishes: int) -> tuple[list[str], list[str]]:
+    """Start crash_writer.py, SIGKILL it after ``kill_after_finishes`` reported finishes (mid-loop), and return
+    the call ids and attempt ids it reported committed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "crash_writer.py"), str(db)], stdout=subprocess.PIPE, env=env, text=True
+    )
+    assert proc.stdout is not None
+    calls: list[str] = []
+    finished: list[str] = []
+    try:
+        for line in proc.stdout:
+            kind, *ids = line.split()
+            if kind == "CALL":
+                calls.extend(ids)
+            elif kind == "FINISH":
+                finished.extend(ids)
+                if len(finished) >= kill_after_finishes:
+                    os.kill(proc.pid, signal.SIGKILL)  # the writer is already busy with its next attempt
+                    break
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    return calls, finished
+
+
+@pytest.mark.parametrize("kill_after", [5, 40])
+async def test_committed_data_survives_sigkill(tmp_path: Path, kill_after: int) -> None:
+    db = tmp_path / "crash.db"
+    calls, finished = _run_writer_and_kill(db, kill_after)
+    assert len(finished) == kill_after and len(calls) >= 3 * kill_after
+
+    raw = sqlite3.connect(db)
+    assert raw.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    raw.close()
+
+    store = SQLiteStore(db)
+    try:
+        for aid in finished:
+            assert (await store.get_attempt(aid)).status is AttemptStatus.SUCCEEDED
+        seen: dict[str, list[int]] = {}
+        rollouts, cursor = await store.list_rollouts(limit=1000)
+        while cursor is not None:
+            more, cursor = await store.list_rollouts(limit=1000, after=cursor)
+            rollouts.extend(more)
+        counts = await store.counts()
+        # the writer may have committed a little more than it managed to report before the kill
+        assert len(finished) <= counts["succeeded"] <= len(finished) + 2 and counts["running"] <= 1
+        touched = [r for r in rollouts if r.status is not RolloutStatus.QUEUED]
+        for r in touched:
+            detail = await store.get_rollout(r.rollout_id)
+            statuses = [a.attempt.status for a in detail.attempts]
+            assert r.attempts_used == sum(s is not AttemptStatus.RELEASED for s in statuses)
+            if r.status is RolloutStatus.SUCCEEDED:
+                assert statuses == [AttemptStatus.SUCCEEDED]
+                (att,) = detail.attempts
+                assert len(att.calls) == 3 and len(att.rewards) == 1
+            else:  # the attempt cut off by the kill: still running, never succeeded
+                assert r.status is RolloutStatus.RUNNING and statuses == [AttemptStatus.RUNNING]
+            for a in detail.attempts:
+                for c in a.calls:
+                    seen[c.call_id] = c.completion_ids
+                    assert (c.prompt_ids, c.completion_ids, c.logprobs) == ids_for(c.call_id)
+        assert set(calls) <= set(seen)
+
+        # the cut-off attempt's lease expires and its rollout is retried, never read as succeeded
+        await asyncio.sleep(0.6)
+        expired = await store.expire_leases()
+        assert len(expired) == counts["running"]
+        for a in expired:
+            assert (await store.get_rollout(a.rollout_id)).rollout.status is RolloutStatus.QUEUED
+    finally:
+        await store.close()
+
+
+async def test_reopen_keeps_everything_and_the_token_cache(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    await store.enqueue([{"q": 1}, {"q": 2}], n=1, group_ids=["g1", "g2"])
+    claim = await store.claim("w", lease_s=60)
+    assert claim is not None
+    await store.set_meta("ckpt", {"step": 1})
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(StoreUnavailableError):
+        await store.counts()
+
+    again = SQLiteStore(db)
+    try:
+        assert again._running.keys() == {claim.attempt.token}  # running attempts reloaded into the cache
+        found = await again.attempt_by_token(claim.attempt.token)
+        assert found == claim.attempt
+        assert await again.get_meta("ckpt") == {"step": 1}
+        assert (await again.counts())["running"] == 1
+        await again.finish_attempt(claim.attempt.attempt_id, AttemptStatus.FAILED, "x")
+        assert again._running == {}
+        found = await again.attempt_by_token(claim.attempt.token)
+        assert found is not None and found.status is AttemptStatus.FAILED
+        groups = await again.enqueue([{"q": 1}], group_ids=["g1"])
+        assert groups[0].task == {"q": 1}
+        assert (await again.counts())["queued"] == 1
+    finally:
+        await again.close()
+
+
+async def test_schema_uses_indexes(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db)
+    await store.close()
+    conn = sqlite3.connect(db)
+    try:
+
+        def plan(sql: str, *args: object) -> str:
+            return " ".join(str(r[-1]) for r in conn.execute("EXPLAIN QUERY PLAN " + sql, args))
+
+        assert "INDEX" in plan("SELECT * FROM attempts WHERE token = ?", "t")
+        assert "INDEX" in plan("SELECT * FROM calls WHERE attempt_id = ? ORDER BY seq", "a")
+        assert "rollouts_queue" in plan(
+            "SELECT * FROM rollouts r WHERE r.status = 'queued' AND r.split = ? ORDER BY r.seq LIMIT 1", "train"
+        )
+        assert "attempts_running" in plan(
+            "SELECT * FROM attempts WHERE status = 'running' AND lease_expires_at <= ?",
+            1.0,
+        )
+        assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+    finally:
+        conn.close()
+
+
+async def test_sqlite_errors_are_translated(tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-db.db"
+    bad.write_bytes(b"this is not a sqlite file" * 100)
+    with pytest.raises(StoreUnavailableError):
+        SQLiteStore(bad)
+    with pytest.raises(StoreError):
+        SQLiteStore(tmp_path / "x.db", synchronous="OFF")  # type: ignore[arg-type]
+
+
+async def test_locked_database_raises_store_unavailable(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db, busy_timeout_s=0.1)
+    other = sqlite3.connect(db, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        with pytest.raises(StoreUnavailableError, match="locked"):
+            await store.enqueue([{"q": 1}])
+        other.execute("ROLLBACK")
+        (group,) = await store.enqueue([{"q": 1}])  # works again once the lock is gone
+        assert group.task == {"q": 1}
+    finally:
+        other.close()
+        await store.close()
+
+
+async def test_reads_do_not_wait_for_the_writer(tmp_path: Path) -> None:
+    """Reads run on their own connection: a long write transaction does not block them (WAL)."""
+    store = SQLiteStore(tmp_path / "s.db")
+    try:
+        await store.enqueue([{"q": i} for i in range(3)])
+        release = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def slow_write(conn: sqlite3.Connection) -> int:
+            conn.execute("UPDATE rollouts SET updated_at = updated_at")
+            asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=10)
+            return 1
+
+        writing = asyncio.create_task(store._write(slow_write))
+        await asyncio.sleep(0.05)
+        counts = await asyncio.wait_for(store.counts(), timeout=5)  # answered while the write is open
+        assert counts["queued"] == 3
+        release.set()
+        assert await writing == 1
+    finally:
+        await store.close()
+
+
+async def test_foreign_schema_version_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "future.db"
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA user_version = 99")
+    conn.close()
+    with pytest.raises(StoreError, match="schema version 99"):
+        SQLiteStore(db)
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []  # the file was left untouched
+    conn.close()
