@@ -145,7 +145,11 @@ async def main_async(args: argparse.Namespace) -> None:
             await run_load(session, direct, token, 200, 8, args.stream)
             await run_load(session, proxied, token, 200, 8, args.stream)
             scale = 0.25 if args.quick else 1.0
-            loads = [("sequential", 1, int(1000 * scale)), ("c=32", 32, int(4000 * scale)), ("c=256", 256, int(4000 * scale))]
+            loads = [
+                ("sequential", 1, int(1000 * scale)),
+                ("c=32", 32, int(4000 * scale)),
+                ("c=256", 256, int(4000 * scale)),
+            ]
             rows = []
             for name, conc, n in loads:
                 d_wall, d_lat = await run_load(session, direct, token, n, conc, args.stream)
@@ -180,7 +184,9 @@ async def main_async(args: argparse.Namespace) -> None:
     print(head)
     print("-" * len(head))
     for name, dr, pr, ratio, d50, p50, a50, a99, cpu in rows:
-        print(f"{name:<11}{dr:>11.0f}{pr:>11.0f}{ratio:>7.2f}{d50:>11.2f}{p50:>11.2f}{a50:>9.2f}{a99:>9.2f}{cpu:>11.3f}")
+        print(
+            f"{name:<11}{dr:>11.0f}{pr:>11.0f}{ratio:>7.2f}{d50:>11.2f}{p50:>11.2f}{a50:>9.2f}{a99:>9.2f}{cpu:>11.3f}"
+        )
     print("\ntargets: CPU <= 0.300 ms/req; +p50 <= 1.00 ms sequential; ratio >= 0.35 at c=32")
 
 

@@ -141,5 +141,23 @@ def write_all(out_dir: str | Path, *, n_train: int = 4000, n_heldout: int = 200,
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+
+# -- sources named by train.toml (called with no arguments) -----------------------------------------------------------
+def train_tasks() -> list[dict[str, Any]]:
+    return make_tasks(4000, "train", seed=1)
+
+
+def heldout_tasks() -> list[dict[str, Any]]:
+    return make_tasks(200, "heldout", seed=2)
+
+
+def demonstrations() -> list[dict[str, Any]]:
+    return [demonstration(t) for t in make_tasks(2000, "train", seed=3)]
+
+
+def validation_tasks() -> list[dict[str, Any]]:
+    return make_tasks(64, "train", seed=5)
+
+
 if __name__ == "__main__":
     write_all(sys.argv[1] if len(sys.argv) > 1 else ".")

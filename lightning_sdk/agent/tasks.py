@@ -21,6 +21,7 @@ from typing import Any
 
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.agent.worker import AttemptResult, WorkerPool
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.store.base import FinishedGroup, Store
 from lightning_sdk.types import RolloutDetail, RolloutStatus, Task
 
@@ -122,12 +123,18 @@ async def run_tasks(
     **pool_kwargs: Any,
 ) -> RunSummary:
     """Enqueue ``tasks`` (``n`` rollouts each), run ``agent`` on exactly them, wait until all are terminal and
-    summarise. ``pool`` lets a caller keep control (``pool.stop()`` from a signal handler); it must claim ``split``."""
+    summarise. ``pool`` lets a caller keep control (``pool.stop()`` from a signal handler); it must have been made with
+    a ``split`` of its own, which the run then uses. A pool passed in is not closed here."""
+    if pool is not None:
+        if pool.split is None or (split is not None and split != pool.split):
+            raise ConfigError(f"run_tasks: the pool must claim the run's split (pool {pool.split!r}, run {split!r})")
+        split = pool.split
     split = split or f"run-{uuid.uuid4().hex[:8]}"
     tries = max_attempts if max_attempts is not None else agent.max_attempts
     groups = await store.enqueue(list(tasks), n=n, max_attempts=tries, split=split)
     want = {g.group_id for g in groups}
     logger.info("enqueued %d tasks x %d rollouts in split %r", len(groups), n, split)
+    own_pool = pool is None
     if pool is None:
         pool = WorkerPool(agent, store, server_url, n_workers=n_workers, model=model, split=split, **pool_kwargs)
     try:
@@ -142,7 +149,8 @@ async def run_tasks(
                 poll_s
             )  # rollouts still running on another worker, or queued again after a lease expiry
     finally:
-        await pool.close()
+        if own_pool:
+            await pool.close()
     if pool.stopping and len(finished) < len(want):
         logger.warning("stopped with %d of %d tasks finished", len(finished), len(want))
     return summarise(finished, split, pool.results)

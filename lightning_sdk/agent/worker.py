@@ -122,8 +122,8 @@ class WorkerPool:
         self._owns_client = client is None
         self._inflight: dict[asyncio.Task[AttemptResult], Claim] = {}
         self._lost: set[str] = set()  # attempt ids whose lease the server expired
+        self._finishing: set[str] = set()  # attempt ids whose agent returned: no more heartbeats, no cancelling
         self._stopping = False
-        self._release = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
@@ -141,9 +141,9 @@ class WorkerPool:
     def _stop(self, release: bool) -> None:
         self._stopping = True
         if release:
-            self._release = True
-            for task in self._inflight:
-                task.cancel()
+            for task, claim in self._inflight.items():
+                if claim.attempt.attempt_id not in self._finishing:
+                    task.cancel()
         if self._wake is not None:
             self._wake.set()
 
@@ -214,6 +214,8 @@ class WorkerPool:
             await asyncio.sleep(self.heartbeat_s)
             for task, claim in list(self._inflight.items()):
                 attempt_id = claim.attempt.attempt_id
+                if attempt_id in self._finishing:
+                    continue
                 try:
                     await self.store.heartbeat(attempt_id, lease_s=self.lease_s)
                 except (InvalidTransitionError, NotFoundError, AttemptNotRunningError) as exc:
@@ -241,7 +243,12 @@ class WorkerPool:
         except Exception as exc:  # a bug outside the agent's own code: still fail the attempt, never lose it
             outcome = AttemptOutcome("failed", error=format_exception(exc))
         emitted = ctx.close()
-        result = await self._finish(claim, outcome, emitted, started)
+        self._finishing.add(attempt.attempt_id)
+        try:
+            # shielded: a release or shutdown must not cut the durability barrier in half
+            result = await asyncio.shield(self._finish(claim, outcome, emitted, started))
+        finally:
+            self._finishing.discard(attempt.attempt_id)
         self._record(result)
         return result
 

@@ -152,15 +152,17 @@ async def _run(
             on_result=progress,
         )
         interrupted = _install_signals(pool, console, grace_s)
-        with progress.bar:
-            if tasks is not None:
-                summary: RunSummary | None = await run_tasks(
-                    agent, store, server, tasks, n=n, split=run_split, max_attempts=tries, pool=pool
-                )
-            else:
-                summary = None
-                await pool.run_until()
-                await pool.close()
+        try:
+            with progress.bar:
+                if tasks is not None:
+                    summary: RunSummary | None = await run_tasks(
+                        agent, store, server, tasks, n=n, split=run_split, max_attempts=tries, pool=pool
+                    )
+                else:
+                    summary = None
+                    await pool.run_until()
+        finally:
+            await pool.close()
         return summary, pool.results, bool(interrupted)
     finally:
         await store.close()

@@ -93,6 +93,8 @@ class EmbeddedEngine:
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
         self._closed = False
+        # Set by the trainer: RL and evaluation fix the temperature (the learner must use the same one) and cap
+        # max_tokens, whatever the agent asks for.
         self.sampling_override: dict[str, Any] | None = None
         self.stats = {"batches": 0, "tokens": 0, "requests": 0, "max_batch": 0}
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
@@ -166,7 +168,7 @@ class EmbeddedEngine:
         if not input_ids:
             raise EngineError("empty prompt")
         if self.sampling_override:
-            sampling = sampling.model_copy(update=self.sampling_override)
+            sampling = _override(sampling, self.sampling_override)
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(
@@ -269,6 +271,14 @@ class EmbeddedEngine:
         if len(req.ids) >= req.sampling.max_tokens or prompt_len + len(req.ids) >= self._max_positions:
             return "length"
         return None
+
+
+def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
+    """Apply the trainer's sampling override: values replace the request's, except ``max_tokens`` which caps it."""
+    update = dict(override)
+    if "max_tokens" in update:
+        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
+    return sampling.model_copy(update=update)
 
 
 def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[int, float]:

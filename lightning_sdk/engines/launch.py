@@ -36,7 +36,17 @@ import httpx
 
 from lightning_sdk.errors import EngineError
 
-__all__ = ["ManagedServer", "free_port", "launch_many", "launch_server", "launch_sglang", "launch_vllm", "running"]
+__all__ = [
+    "ManagedServer",
+    "RayServers",
+    "free_port",
+    "launch_many",
+    "launch_on_ray",
+    "launch_server",
+    "launch_sglang",
+    "launch_vllm",
+    "running",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -232,3 +242,91 @@ def running(servers: Sequence[ManagedServer]) -> Iterator[list[str]]:
     finally:
         for s in servers:
             s.stop()
+
+
+# ------------------------------------------------------------------------------------------------ Ray placement
+class _ServerHost:
+    """A Ray actor that owns one server process on the node (and GPUs) Ray placed it on."""
+
+    def __init__(self) -> None:
+        self.server: ManagedServer | None = None
+
+    def start(self, launcher: Callable[..., ManagedServer], model_path: str, kwargs: dict[str, Any]) -> str:
+        ray: Any = importlib.import_module("ray")
+
+        # Ray has set CUDA_VISIBLE_DEVICES to this actor's GPUs; the server inherits it (gpus=None).
+        self.server = launcher(model_path, host="0.0.0.0", **kwargs)
+        port = self.server.url.rsplit(":", 1)[1]
+        return f"http://{ray.util.get_node_ip_address()}:{port}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@dataclass
+class RayServers:
+    """Policy servers placed by Ray: ``urls`` for the engine client, ``stop()`` to end them."""
+
+    urls: list[str]
+    actors: list[Any]
+    placement_group: Any
+
+    def stop(self) -> None:
+        ray: Any = importlib.import_module("ray")
+        with contextlib.suppress(Exception):
+            ray.get([a.stop.remote() for a in self.actors], timeout=60)
+        for a in self.actors:
+            ray.kill(a)
+        ray.util.remove_placement_group(self.placement_group)
+
+
+def launch_on_ray(
+    launcher: Callable[..., ManagedServer],
+    model_path: str | Path,
+    *,
+    n_servers: int,
+    gpus_per_server: int = 1,
+    cpus_per_server: float = 1.0,
+    strategy: str = "SPREAD",
+    timeout: float = 900.0,
+    **kwargs: Any,
+) -> RayServers:
+    """Start ``n_servers`` servers (``launch_sglang``, ``launch_vllm`` or any launcher with that signature) on the
+    GPUs of an already initialised Ray cluster: one placement-group bundle per server, so trainer and engine GPUs
+    never overlap (the trainer's ranks hold their own placement group). Each server binds 0.0.0.0 on its node and is
+    reached at the node's IP."""
+    ray: Any = importlib.import_module("ray")
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": cpus_per_server, **({"GPU": float(gpus_per_server)} if gpus_per_server else {})}
+    pg = placement_group([dict(bundle) for _ in range(n_servers)], strategy=strategy)
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except Exception as exc:
+        ray.util.remove_placement_group(pg)
+        raise EngineError(f"Ray could not place {n_servers} server(s) with {bundle} each: {exc}") from exc
+    host_cls = ray.remote(_ServerHost)
+    checkout = str(Path(__file__).resolve().parents[2])
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH", "")]))}}
+    actors = [
+        host_cls.options(
+            num_cpus=cpus_per_server,
+            num_gpus=gpus_per_server,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i),
+            runtime_env=env,
+        ).remote()
+        for i in range(n_servers)
+    ]
+    servers = RayServers(urls=[], actors=actors, placement_group=pg)
+    try:
+        servers.urls = list(
+            ray.get([a.start.remote(launcher, str(model_path), {"timeout": timeout, **kwargs}) for a in actors])
+        )
+    except Exception as exc:
+        servers.stop()
+        raise EngineError(f"starting servers on Ray failed: {exc}") from exc
+    logger.info("%d server(s) placed by Ray: %s", n_servers, servers.urls)
+    return servers

@@ -1,8 +1,12 @@
 """The default policy model: a tiny Qwen2 built from a config, saved as a normal Hugging Face model directory.
 
-No pretrained checkpoint can be downloaded here, so the embedded default is a ~3M-parameter ``Qwen2ForCausalLM``
+No pretrained checkpoint can be downloaded here, so the embedded default is a ~3M-parameter ``Qwen3ForCausalLM``
 (hidden 256, 4 layers) over the domain tokenizer of ``lightning_sdk.policy.tokenizer``, warm-started by a short
 supervised phase (``lightning_sdk.policy.warm_start``). Any HF causal-LM directory can take its place.
+
+Why Qwen3 and not Qwen2 (the same decoder plus q/k norms): for ``model_type: qwen2`` transformers' ``AutoTokenizer``
+always builds ``Qwen2Tokenizer``, which replaces the saved pre-tokenizer with Qwen's word regex and so undoes the
+domain tokenizer (episodes grow ~2.5x); for ``qwen3`` it honours the saved ``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.tokenizer import build_tokenizer, save_tokenizer
@@ -26,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TinyPolicyConfig:
-    """Shape of the default tiny policy (a Qwen2 architecture)."""
+    """Shape of the default tiny policy (a Qwen3 architecture)."""
 
     vocab_size: int = 480
     hidden_size: int = 256
@@ -45,20 +48,21 @@ def build_policy(out_dir: str | Path, corpus: Iterable[str], config: TinyPolicyC
     cfg = config or TinyPolicyConfig()
     tokenizer = build_tokenizer(corpus, vocab_size=cfg.vocab_size)
     torch.manual_seed(cfg.seed)
-    qcfg = Qwen2Config(
+    qcfg = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=cfg.max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(qcfg)
+    model = Qwen3ForCausalLM(qcfg)
     path = Path(out_dir)
     save_tokenizer(tokenizer, path)
     model.save_pretrained(str(path))

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,10 +30,11 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
+from starlette.types import Receive, Scope, Send
 
-from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.errors import ConfigError, LightningSDKError
 from lightning_sdk.proxy.admin import admin_routes
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
@@ -46,9 +49,9 @@ from lightning_sdk.proxy.external import ExternalBackend, ExternalRoute
 from lightning_sdk.proxy.recorder import Recorder
 from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
 from lightning_sdk.store.base import Store
-from lightning_sdk.types import Call, new_id, now
+from lightning_sdk.types import Call, now
 
-__all__ = ["Proxy", "ProxyConfig", "create_app"]
+__all__ = ["Proxy", "ProxyApp", "ProxyConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +76,6 @@ class ProxyConfig:
     cancel_on_disconnect: bool = True  # watch non-streaming requests for the agent hanging up
 
 
-class _ClientGone(Exception):
-    pass
-
-
 class Proxy:
     """The proxy's state and handlers; ``create_app`` wraps it in a starlette app (``app.state.proxy``)."""
 
@@ -88,8 +87,10 @@ class Proxy:
         admin_key: str,
         external: ExternalBackend | None = None,
         config: ProxyConfig | None = None,
+        close_store: bool = False,
     ) -> None:
         self.store = store
+        self.close_store = close_store
         self.backend = policy_backend
         self.external = external
         self.admin_key = admin_key
@@ -109,23 +110,6 @@ class Proxy:
             version = pv.version if pv is not None else None
             self._version = (t, version)
         return version
-
-    async def read_json(self, request: Request) -> Any:
-        limit = self.config.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise ProxyHTTPError(413, f"request body of {length} bytes is over the limit of {limit} bytes")
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProxyHTTPError(413, f"request body is over the limit of {limit} bytes")
-            chunks.append(chunk)
-        try:
-            return orjson.loads(b"".join(chunks))
-        except orjson.JSONDecodeError as exc:
-            raise ProxyHTTPError(400, f"body: invalid JSON ({exc})", param="body") from exc
 
     @staticmethod
     def token_of(request: Request) -> str | None:
@@ -151,22 +135,20 @@ class Proxy:
             )
         return self.backend
 
-    # -- LLM calls -------------------------------------------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:
-        return await self._llm(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._llm(request, chat=False)
-
-    async def _llm(self, request: Request, *, chat: bool) -> Response:
+    # -- LLM calls (raw ASGI: this is the hot path) -------------------------------------------------------------------
+    async def handle_llm(self, scope: Scope, receive: Receive, send: Send, *, chat: bool, token: str | None) -> None:
+        """Serve one ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` request and record it."""
+        started = now()
         state: AttemptState | None = None
         ctx: CallContext | None = None
         body: dict[str, Any] = {}
-        started = now()
+        result: ChatResult | None = None
+        error: str | None = None
+        watch: _HangUpWatch | None = None
         try:
-            raw = await self.read_json(request)
+            raw = await self._read_json(scope, receive)
             body = validate_chat(raw) if chat else validate_completions(raw)
-            state = await self.attempts.resolve(self.token_of(request))
+            state = await self.attempts.resolve(token or _bearer(scope))
             backend = self.backend_for(body["model"])
             if not chat and isinstance(backend, ExternalBackend):
                 raise ProxyHTTPError(
@@ -175,128 +157,121 @@ class Proxy:
             seq = await state.take_seq(self.store)
             ctx = CallContext(
                 attempt=state.attempt,
-                call_id=new_id("call"),
+                call_id=_call_id(),
                 seq=seq,
                 model=body["model"],
                 policy_version=await self.policy_version(),
                 _earlier=_earlier(state, self.store, seq),
             )
-            state_now = state
-            if body.get("stream"):
-                if chat:
-                    stream = backend.chat_stream(body, ctx)
-                else:
-                    assert not isinstance(backend, ExternalBackend)
-                    stream = backend.completions_stream(body, ctx)
-                first = await anext(stream)  # errors before the first byte still get a proper status code
-                state.inflight += 1
-                relay = self._relay(first, stream, state_now, ctx, body, chat, started)
-                return StreamingResponse(relay, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            if self.config.cancel_on_disconnect:
+                watch = _HangUpWatch(receive)
             state.inflight += 1
             try:
-                if chat:
-                    result = await self._watch(request, backend.chat(body, ctx))
+                if body.get("stream"):
+                    if chat:
+                        stream = backend.chat_stream(body, ctx)
+                    else:
+                        assert not isinstance(backend, ExternalBackend)
+                        stream = backend.completions_stream(body, ctx)
+                    first = await anext(stream)  # errors before the first byte still get a proper status code
+                    result, error = await _relay(send, first, stream)
+                elif chat:
+                    result = await backend.chat(body, ctx)
                 else:
                     assert not isinstance(backend, ExternalBackend)
-                    result = await self._watch(request, backend.completions(body, ctx))
+                    result = await backend.completions(body, ctx)
             finally:
                 state.inflight -= 1
+                if watch is not None:
+                    watch.close()
         except ProxyHTTPError as err:
-            return error_response(err)
+            await _send_error(send, err)
         except UpstreamHTTPError as exc:
-            self._record_error(state, ctx, body, chat, started, str(exc))
-            return error_response(ProxyHTTPError(exc.status_code, str(exc)), exc.payload)
-        except LightningSDKError as exc:
-            self._record_error(state, ctx, body, chat, started, str(exc))
-            return error_response(from_sdk_error(exc))
-        except _ClientGone:
-            self._record_error(state, ctx, body, chat, started, "the agent disconnected before the reply")
-            return Response(status_code=499)
-        await self._record(state, ctx, body, result, chat, started)
-        return Response(orjson.dumps(result.response), media_type=_JSON)
-
-    async def _watch(self, request: Request, coro: Any) -> ChatResult:
-        """Await the backend; if the agent hangs up first, cancel it (which cancels the upstream request)."""
-        task: asyncio.Future[ChatResult] = asyncio.ensure_future(coro)
-        if not self.config.cancel_on_disconnect:
-            return await task
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                raise _ClientGone()
-            watcher.cancel()
-        return task.result()
-
-    async def _relay(
-        self,
-        first: StreamItem,
-        stream: AsyncIterator[StreamItem],
-        state: AttemptState,
-        ctx: CallContext,
-        body: dict[str, Any],
-        chat: bool,
-        started: float,
-    ) -> AsyncIterator[bytes]:
-        result: ChatResult | None = None
-        error: str | None = "the agent disconnected mid-stream"
-        try:
-            item: StreamItem | None = first
-            while item is not None:
-                if isinstance(item, ChatResult):
-                    result = item
-                elif isinstance(item, bytes):
-                    yield b"data: " + item + b"\n\n"
-                else:
-                    yield b"data: " + orjson.dumps(item) + b"\n\n"
-                item = await anext(stream, None)
-            error = None
-            yield _SSE_DONE
+            error = str(exc)
+            await _send_error(send, ProxyHTTPError(exc.status_code, error), exc.payload)
         except LightningSDKError as exc:
             error = str(exc)
-            err = from_sdk_error(exc)
-            yield b"data: " + orjson.dumps({"error": {"message": err.message, "type": err.kind, "code": err.code}})
-            yield b"\n\n" + _SSE_DONE
-        finally:
-            state.inflight -= 1
-            if result is not None and error is None:
-                self._record_nowait(state, ctx, body, result, chat, started)
+            await _send_error(send, from_sdk_error(exc))
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            error = "the agent disconnected before the reply was complete"
+        else:
+            if result is not None and not body.get("stream"):
+                payload = orjson.dumps(result.response)
+                await send({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload))})
+                await send({"type": "http.response.body", "body": payload})
+        if state is not None and ctx is not None:
+            call = self._make_call(ctx, body, result if error is None else None, chat, started)
+            if error is not None:
+                call.error = error
             else:
-                with contextlib.suppress(Exception):
-                    await stream.aclose()  # type: ignore[attr-defined]
-                self._record_error(state, ctx, body, chat, started, error or "stream ended without a result")
+                state.add_call(call)
+            await self.recorder.add_call(call)
 
-    # -- recording -------------------------------------------------------------------------------------------------
+    async def _read_json(self, scope: Scope, receive: Receive) -> Any:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise ProxyHTTPError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+        message = await receive()
+        data: bytes = message.get("body", b"")
+        if message.get("more_body"):
+            parts = [data]
+            size = len(data)
+            while message.get("more_body"):
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ProxyHTTPError(400, "body: the client went away while sending it", param="body")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ProxyHTTPError(413, f"request body is over the limit of {limit} bytes")
+                parts.append(chunk)
+            data = b"".join(parts)
+        elif len(data) > limit:
+            raise ProxyHTTPError(413, f"request body is over the limit of {limit} bytes")
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise ProxyHTTPError(400, f"body: invalid JSON ({exc})", param="body") from exc
+
     def _make_call(
         self, ctx: CallContext, body: dict[str, Any], result: ChatResult | None, chat: bool, started: float
     ) -> Call:
+        """The recorded call (validated: pydantic-core validation is cheaper here than ``model_construct``)."""
         request = {k: v for k, v in body.items() if k not in _TRANSPORT_KEYS}
+        common: dict[str, Any] = {
+            "call_id": ctx.call_id,
+            "attempt_id": ctx.attempt.attempt_id,
+            "rollout_id": ctx.attempt.rollout_id,
+            "seq": ctx.seq,
+            "model": ctx.model,
+            "request": request,
+            "started_at": started,
+            "ended_at": now(),
+            "error": None,
+        }
         if result is None:
+            is_policy = self.external is None or not self.external.serves(ctx.model)
             return Call(
-                call_id=ctx.call_id,
-                attempt_id=ctx.attempt.attempt_id,
-                rollout_id=ctx.attempt.rollout_id,
-                seq=ctx.seq,
-                model=ctx.model,
-                request=request,
+                **common,
+                is_policy=is_policy,
+                token_source="engine" if is_policy else "external",
+                response={},
+                prompt_ids=[],
+                completion_ids=[],
+                logprobs=[],
                 policy_version=ctx.policy_version,
-                started_at=started,
-                ended_at=now(),
-                is_policy=self.external is None or not self.external.serves(ctx.model),
+                finish_reason=None,
+                usage={},
+                checks={},
             )
         return Call(
-            call_id=ctx.call_id,
-            attempt_id=ctx.attempt.attempt_id,
-            rollout_id=ctx.attempt.rollout_id,
-            seq=ctx.seq,
-            model=ctx.model,
+            **common,
             is_policy=result.is_policy,
             token_source=result.token_source,
-            request=request,
             response=canonical_chat(result.response) if chat else canonical_completion(result.response),
             prompt_ids=result.prompt_ids,
             completion_ids=result.completion_ids,
@@ -305,54 +280,7 @@ class Proxy:
             finish_reason=result.finish_reason,
             usage=result.usage,
             checks=result.checks,
-            started_at=started,
-            ended_at=now(),
-            error=result.error,
         )
-
-    async def _record(
-        self,
-        state: AttemptState | None,
-        ctx: CallContext | None,
-        body: dict[str, Any],
-        result: ChatResult,
-        chat: bool,
-        started: float,
-    ) -> None:
-        if state is None or ctx is None:
-            return
-        call = self._make_call(ctx, body, result, chat, started)
-        state.add_call(call)
-        await self.recorder.add_call(call)
-
-    def _record_nowait(
-        self,
-        state: AttemptState,
-        ctx: CallContext,
-        body: dict[str, Any],
-        result: ChatResult | None,
-        chat: bool,
-        started: float,
-        error: str | None = None,
-    ) -> None:
-        call = self._make_call(ctx, body, result, chat, started)
-        if error is not None:
-            call.error = error
-        else:
-            state.add_call(call)
-        self.recorder.add_call_nowait(call)
-
-    def _record_error(
-        self,
-        state: AttemptState | None,
-        ctx: CallContext | None,
-        body: dict[str, Any],
-        chat: bool,
-        started: float,
-        error: str,
-    ) -> None:
-        if state is not None and ctx is not None:
-            self._record_nowait(state, ctx, body, None, chat, started, error)
 
     # -- models and health -----------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -384,6 +312,8 @@ class Proxy:
         finally:
             await self.recorder.stop()
             await self.backend.aclose()
+            if self.close_store:
+                await self.store.close()
 
 
 def _earlier(state: AttemptState, store: Store, seq: int) -> Any:
@@ -393,11 +323,130 @@ def _earlier(state: AttemptState, store: Store, seq: int) -> Any:
     return earlier
 
 
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
+# -- raw ASGI helpers of the hot path ----------------------------------------------------------------------------------
+_ID_PREFIX = secrets.token_hex(6)
+_ID_COUNTER = itertools.count(1)
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+def _call_id() -> str:
+    """A unique call id (a per-process random prefix and a counter: no syscall on the hot path)."""
+    return f"call-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+def _json_headers(length: int) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+
+
+def _bearer(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            if text[:7].lower() == "bearer ":
+                return text[7:].strip() or None
+            return None
+    return None
+
+
+async def _send_error(send: Send, err: ProxyHTTPError, payload: dict[str, Any] | None = None) -> None:
+    response = error_response(err, payload)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class _HangUpWatch:
+    """Cancel the task serving a request when the agent hangs up (which closes the upstream request too).
+
+    After the request body is read, the server's ``receive()`` only returns once the client disconnects (or the
+    response is complete); a done-callback on it cancels the serving task. One small task per request, no polling.
+    """
+
+    __slots__ = ("_active", "_fut", "_task", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._active = True
+        self._task = asyncio.current_task()
+        self._fut = asyncio.ensure_future(receive())
+        self._fut.add_done_callback(self._on_message)
+
+    def _on_message(self, fut: asyncio.Future[Any]) -> None:
+        if not self._active or fut.cancelled() or fut.exception() is not None:
             return
+        if fut.result().get("type") == "http.disconnect" and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        self._active = False
+        self._fut.cancel()
+
+
+async def _relay(
+    send: Send, first: StreamItem, stream: AsyncIterator[StreamItem]
+) -> tuple[ChatResult | None, str | None]:
+    """Send a backend's stream as server-sent events; returns its ``ChatResult`` or the error that cut it off."""
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    result: ChatResult | None = None
+    item: StreamItem | None = first
+    try:
+        while item is not None:
+            if isinstance(item, ChatResult):
+                result = item
+            else:
+                data = item if isinstance(item, bytes) else orjson.dumps(item)
+                await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+            item = await anext(stream, None)
+    except LightningSDKError as exc:
+        err = from_sdk_error(exc)
+        event = orjson.dumps({"error": {"message": err.message, "type": err.kind, "param": None, "code": err.code}})
+        await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n" + _SSE_DONE})
+        return None, str(exc)
+    await send({"type": "http.response.body", "body": _SSE_DONE})
+    if result is None:
+        return None, "the stream ended without a result"
+    return result, None
+
+
+class _LLMEndpoint:
+    """The LLM routes as plain ASGI endpoints (mounted in the starlette router; the path token is a path param)."""
+
+    def __init__(self, proxy: Proxy, *, chat: bool) -> None:
+        self.proxy = proxy
+        self.chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("method") != "POST":
+            await _send_error(send, ProxyHTTPError(405, f"method {scope.get('method')} not allowed"))
+            return
+        token = (scope.get("path_params") or {}).get("token")
+        await self.proxy.handle_llm(scope, receive, send, chat=self.chat, token=token)
+
+
+class ProxyApp:
+    """The proxy's ASGI app: the LLM routes are dispatched directly, everything else goes to the starlette app.
+
+    ``state.proxy`` is the ``Proxy``; ``starlette`` the app behind (add routes with ``extra_routes`` in
+    ``create_app``).
+    """
+
+    def __init__(self, proxy: Proxy, starlette: Starlette) -> None:
+        self.proxy = proxy
+        self.starlette = starlette
+        self.state = starlette.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            token: str | None = None
+            if path.startswith("/t/"):
+                token, _, rest = path[3:].partition("/")
+                path = "/" + rest
+            if path == "/v1/chat/completions":
+                return await self.proxy.handle_llm(scope, receive, send, chat=True, token=token or None)
+            if path == "/v1/completions":
+                return await self.proxy.handle_llm(scope, receive, send, chat=False, token=token or None)
+        await self.starlette(scope, receive, send)
 
 
 def create_app(
@@ -408,16 +457,23 @@ def create_app(
     external: list[ExternalRoute] | ExternalBackend | None = None,
     config: ProxyConfig | None = None,
     mount_store: bool = True,
-) -> Starlette:
-    """The proxy as an ASGI app. ``app.state.proxy`` is the ``Proxy`` (its ``recorder``, ``attempts``, ...)."""
+    extra_routes: list[BaseRoute] | None = None,
+    close_store: bool = False,
+) -> ProxyApp:
+    """The proxy as an ASGI app (``app.state.proxy`` is the ``Proxy``: its ``recorder``, ``attempts``, ...).
+
+    ``external`` routes model names to providers through LiteLLM; ``mount_store`` serves the store's HTTP API at
+    ``/lightning/v1/store`` (admin key); ``extra_routes`` are added to the app (e.g. the daemon's task queue);
+    ``close_store`` closes the store when the app shuts down (after the last records are written).
+    """
     if not admin_key:
-        raise ValueError("create_app: admin_key is required")
+        raise ConfigError("create_app: an admin key is required")
     if isinstance(external, list):
         external = ExternalBackend(external) if external else None
-    proxy = Proxy(store, policy_backend, admin_key=admin_key, external=external, config=config)
+    proxy = Proxy(store, policy_backend, admin_key=admin_key, external=external, config=config, close_store=close_store)
     llm: list[BaseRoute] = [
-        Route("/v1/chat/completions", proxy.chat, methods=["POST"]),
-        Route("/v1/completions", proxy.completions, methods=["POST"]),
+        Route("/v1/chat/completions", _LLMEndpoint(proxy, chat=True), methods=["POST"]),
+        Route("/v1/completions", _LLMEndpoint(proxy, chat=False), methods=["POST"]),
         Route("/v1/models", proxy.list_models, methods=["GET"]),
     ]
     routes: list[BaseRoute] = [
@@ -425,6 +481,7 @@ def create_app(
         Mount("/t/{token}", routes=[*llm, *admin_routes(proxy, token_routes_only=True)]),
         Route("/lightning/v1/health", proxy.health, methods=["GET"]),
         *admin_routes(proxy),
+        *(extra_routes or ()),
     ]
     if mount_store:
         from lightning_sdk.store.http_server import store_routes
@@ -432,7 +489,7 @@ def create_app(
         routes.append(Mount("/lightning/v1/store", routes=store_routes(store, admin_key)))
     app = Starlette(routes=routes, lifespan=proxy.lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.proxy = proxy
-    return app
+    return ProxyApp(proxy, app)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -10,6 +10,7 @@ the calls the store already has (a restarted proxy continues the numbering).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import OrderedDict
 
@@ -48,9 +49,10 @@ class AttemptState:
         return [c for c in self.calls if c.seq < before_seq]
 
     def add_call(self, call: Call) -> None:
-        self.calls.append(call)
-        if len(self.calls) > 1 and self.calls[-2].seq > call.seq:
-            self.calls.sort(key=lambda c: c.seq)
+        if not self.calls or self.calls[-1].seq < call.seq:
+            self.calls.append(call)
+        else:  # calls of one attempt may finish out of order
+            bisect.insort(self.calls, call, key=lambda c: c.seq)
 
     async def _load(self, store: Store) -> None:
         async with self._load_lock:

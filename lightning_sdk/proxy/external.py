@@ -163,7 +163,10 @@ class ExternalBackend:
         if not usage.get("prompt_tokens") or not usage.get("completion_tokens"):
             choice = (data.get("choices") or [{}])[0]
             msg = choice.get("message") or {}
-            reply = _messages_text([{"role": "", "content": msg.get("content"), "tool_calls": msg.get("tool_calls")}])
+            reply = (msg.get("content") or "") + "".join(
+                f"{(tc.get('function') or {}).get('name', '')}({(tc.get('function') or {}).get('arguments', '')})"
+                for tc in msg.get("tool_calls") or ()
+            )
             prompt_n = count_tokens(_messages_text(body["messages"]), route.encoding)
             completion_n = count_tokens(reply, route.encoding)
             usage = {

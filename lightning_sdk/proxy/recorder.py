@@ -31,9 +31,18 @@ class Recorder:
     """Batched, bounded, background writer of calls and rewards (see the module docstring)."""
 
     def __init__(
-        self, store: Store, *, max_pending: int = 4096, max_batch: int = 256, retries: int = 3, retry_s: float = 0.2
+        self,
+        store: Store,
+        *,
+        max_pending: int = 4096,
+        max_batch: int = 256,
+        linger_s: float = 0.01,
+        retries: int = 3,
+        retry_s: float = 0.2,
     ) -> None:
         self.store = store
+        self.linger_s = linger_s
+        self._urgent = asyncio.Event()  # set by flush/stop: write now, do not linger
         self.max_batch = max_batch
         self.retries = retries
         self.retry_s = retry_s
@@ -54,14 +63,21 @@ class Recorder:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="lightning-sdk-recorder")
 
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait until everything queued so far is written (all attempts)."""
+        try:
+            await asyncio.wait_for(self._wait_for(None, self._n_queued), timeout)
+        except TimeoutError as exc:
+            raise StoreUnavailableError(f"recorder: {self.pending} items not written within {timeout}s") from exc
+
     async def stop(self, timeout: float = 30.0) -> None:
         """Write everything queued, then stop the writer."""
         if self._task is None:
             return
         try:
-            await asyncio.wait_for(self._wait_for(None, self._n_queued), timeout)
-        except TimeoutError:
-            logger.error("recorder: %d items not written at shutdown", self.pending)
+            await self.drain(timeout)
+        except StoreUnavailableError as exc:
+            logger.error("at shutdown: %s", exc)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -121,12 +137,19 @@ class Recorder:
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((attempt_id, target, fut))
+        self._urgent.set()
         await fut
 
     # -- the writer ------------------------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            if self.linger_s > 0 and self._queue.qsize() < self.max_batch and not self._urgent.is_set():
+                # let a few more calls arrive: one transaction for many calls costs far less CPU than many
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._urgent.wait(), self.linger_s)
+            if not self._waiters:
+                self._urgent.clear()
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             try:

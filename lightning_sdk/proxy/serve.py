@@ -23,6 +23,8 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 4700, **kwargs
         "timeout_keep_alive": 75,
         "backlog": 4096,
         "lifespan": "on",
+        "proxy_headers": False,
+        "server_header": False,
     }
     options.update(kwargs)
     return uvicorn.Config(app, host=host, port=port, **options)
@@ -32,4 +34,7 @@ def serve(app: Any, host: str = "127.0.0.1", port: int = 4700, **kwargs: Any) ->
     """Run ``app`` until interrupted (SIGINT/SIGTERM shut it down gracefully, flushing the recorder)."""
     config = uvicorn_config(app, host, port, **kwargs)
     logger.info("serving on http://%s:%d (loop=%s, http=%s)", host, port, config.loop, config.http)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown: that is a normal exit
+        logger.info("stopped")

@@ -26,8 +26,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lightning_sdk.engines.base import Engine, Sampling
-from lightning_sdk.errors import EngineError, LightningSDKError, UpstreamError
+from lightning_sdk.engines.base import Engine, Generation, Sampling
+from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
 from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.tokens import (
@@ -39,8 +39,9 @@ from lightning_sdk.tokens import (
     get_parser,
     new_tool_call_id,
     render_prompt,
+    retokenize_reply,
+    retokenize_text,
 )
-from lightning_sdk.tokens._retokenize import retokenize_reply, retokenize_text
 
 __all__ = ["RetokenizingBackend", "TokenModeBackend", "TokenModeConfig"]
 
@@ -95,12 +96,15 @@ class TokenModeBackend:
 
     # -- request -> prompt ids and sampling --------------------------------------------------------------------------
     async def _render(self, body: dict[str, Any], ctx: CallContext) -> RenderedPrompt:
-        if int(body.get("n") or 1) != 1:
+        if body.get("n") not in (None, 1):
             raise ProxyHTTPError(400, "token mode samples one choice per call: n must be 1", param="n")
         prior = await _prior_calls(ctx)
-        return await asyncio.to_thread(
-            render_prompt, self.renderer, body["messages"], body.get("tools"), prior, policy=self.config.history
-        )
+        try:
+            return await asyncio.to_thread(
+                render_prompt, self.renderer, body["messages"], body.get("tools"), prior, policy=self.config.history
+            )
+        except TokenizationError as exc:  # the template refused these messages: the request's fault
+            raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
 
     def _sampling(self, body: dict[str, Any]) -> Sampling:
         stop = body.get("stop")
@@ -119,7 +123,7 @@ class TokenModeBackend:
             param = str(err["loc"][0]) if err.get("loc") else None
             raise ProxyHTTPError(400, f"invalid sampling parameter: {err['msg']}", param=param) from exc
 
-    async def _generate(self, ids: list[int], sampling: Sampling, ctx: CallContext) -> Any:
+    async def _generate(self, ids: list[int], sampling: Sampling, ctx: CallContext) -> Generation:
         try:
             return await self.engine.generate(ids, sampling, session_id=ctx.attempt.attempt_id)
         except EngineError as exc:
@@ -253,8 +257,14 @@ class TokenModeBackend:
         yield chunk({}, finish)
         usage = _usage(len(prompt.prompt_ids), len(ids))
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": usage}  # fmt: skip
+            yield {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
         response = self._chat_response(body, rid, created, message, finish, prompt, ids, lps)
         yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
 
@@ -273,15 +283,28 @@ class TokenModeBackend:
         return self.parser.strip_stop(text)
 
     def _completion_response(
-        self, body: dict[str, Any], rid: str, created: int, text: str, finish: str, prompt: RenderedPrompt,
-        ids: list[int], lps: list[float],
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        body: dict[str, Any],
+        rid: str,
+        created: int,
+        text: str,
+        finish: str,
+        prompt: RenderedPrompt,
+        ids: list[int],
+        lps: list[float],
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         if body.get("logprobs") is not None and body.get("logprobs") is not False:
             tokens = [self.renderer.decode([t]) for t in ids]
             choice["logprobs"] = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": []}
-        response = {"id": rid, "object": "text_completion", "created": created, "model": body["model"],
-                    "choices": [choice], "usage": _usage(len(prompt.prompt_ids), len(ids))}  # fmt: skip
+        response = {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": body["model"],
+            "choices": [choice],
+            "usage": _usage(len(prompt.prompt_ids), len(ids)),
+        }
         if body.get("return_token_ids"):
             choice["prompt_token_ids"] = prompt.prompt_ids
             choice["token_ids"] = ids
@@ -313,17 +336,26 @@ class TokenModeBackend:
                 version = piece.policy_version if piece.policy_version is not None else version
                 text = self.renderer.decode(ids).rstrip("\ufffd")
                 if len(text) > len(sent) and text.startswith(sent) and piece.finish_reason is None:
-                    yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": text[len(sent):], "finish_reason": None,
-                                        "logprobs": None}]}  # fmt: skip
+                    yield {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [{"index": 0, "text": text[len(sent) :], "finish_reason": None, "logprobs": None}],
+                    }
                     sent = text
         except EngineError as exc:
             raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
         final = self._completion_text(ids)
         finish = _openai_finish(engine_finish, False)
         tail = final[len(sent) :] if final.startswith(sent) else ""
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": tail, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "text": tail, "finish_reason": finish, "logprobs": None}],
+        }
         response = self._completion_response(body, rid, created, final, finish, prompt, ids, lps)
         yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
 

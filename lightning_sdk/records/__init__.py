@@ -20,11 +20,25 @@ from lightning_sdk.records.advantages import (
     register_estimator,
     zero_variance_groups,
 )
+from lightning_sdk.records.batch import build_batch, to_torch
 from lightning_sdk.records.build import BuildResult, RecordsConfig, RolloutReport, build_records
+from lightning_sdk.records.export import (
+    COLUMNS,
+    export_records,
+    load_groups,
+    read_jsonl,
+    record_row,
+    report_json,
+    write_jsonl,
+    write_parquet,
+    write_records,
+)
 from lightning_sdk.records.record import SPLIT_REASONS, CallSpan, Record, Segment, SplitReason, visualize
+from lightning_sdk.records.report import render_report
 from lightning_sdk.records.segments import MergeOptions, MergeResult, MergeStats, merge_attempt
 
 __all__ = [
+    "COLUMNS",
     "SPLIT_REASONS",
     "AdvantageConfig",
     "AdvantageInput",
@@ -39,14 +53,25 @@ __all__ = [
     "RolloutReport",
     "Segment",
     "SplitReason",
+    "build_batch",
     "build_records",
     "compute_advantages",
     "discounted_returns",
     "estimator_names",
+    "export_records",
     "get_estimator",
+    "load_groups",
     "merge_attempt",
+    "read_jsonl",
+    "record_row",
     "reference_advantages",
     "register_estimator",
+    "render_report",
+    "report_json",
+    "to_torch",
     "visualize",
+    "write_jsonl",
+    "write_parquet",
+    "write_records",
     "zero_variance_groups",
 ]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -117,7 +117,6 @@ class Record:
     reward: float
     advantages: FloatArray
     weight: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.advantages.ndim != 1 or self.advantages.shape[0] != len(self.segment):

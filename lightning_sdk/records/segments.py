@@ -204,10 +204,10 @@ def _link(nodes: list[_Node]) -> list[_Node]:
     return roots
 
 
-def _leaf_paths(roots: list[_Node]) -> list[tuple[_Node, list[_Node], list[_Node]]]:
-    """Depth-first leaves: (leaf, path from its root, the path's nodes first trained by this leaf's segment)."""
+def _leaf_paths(roots: list[_Node]) -> list[tuple[_Node, list[_Node]]]:
+    """Depth-first leaves: (leaf, the nodes of its root path first trained by this leaf's segment)."""
     trained: set[int] = set()
-    out: list[tuple[_Node, list[_Node], list[_Node]]] = []
+    out: list[tuple[_Node, list[_Node]]] = []
     for root in roots:
         stack = [root]
         path: list[_Node] = []
@@ -224,7 +224,7 @@ def _leaf_paths(roots: list[_Node]) -> list[tuple[_Node, list[_Node], list[_Node
                 k -= 1
             new = path[k:]
             trained.update(id(n) for n in new)
-            out.append((node, list(path), new))
+            out.append((node, new))
     return out
 
 
@@ -341,9 +341,9 @@ def merge_attempt(calls: Sequence[Call], options: MergeOptions | None = None) ->
         return MergeResult([], stats)
     roots = _link(nodes)
     leaves = _leaf_paths(roots)
-    leaves.sort(key=lambda t: t[2][0].seq)
+    leaves.sort(key=lambda t: t[1][0].seq)
     segments: list[Segment] = []
-    for index, (leaf, _path, new) in enumerate(leaves):
+    for index, (leaf, new) in enumerate(leaves):
         first = new[0]
         reason: SplitReason | None = None
         if index > 0:

@@ -4,7 +4,7 @@
 - ``render_prompt``: a call's prompt ids, reusing an earlier call's prompt + sampled ids verbatim (history policies
   ``exact`` and ``template``), with the reason when the call starts a new segment.
 - ``get_parser`` / ``OutputParser`` / ``StreamingParser``: completion ids -> OpenAI assistant message or deltas.
-- ``retokenize``: the never-silent fallback for engines that return text only.
+- ``retokenize_reply`` / ``retokenize_text``: the never-silent fallback for engines that return text only.
 
 See docs/tokens.md.
 """
@@ -24,6 +24,7 @@ from lightning_sdk.tokens._parse import (
     register_parser,
 )
 from lightning_sdk.tokens._render import ChatRenderer
+from lightning_sdk.tokens._retokenize import Retokenized, render_reply_text, retokenize_reply, retokenize_text
 
 __all__ = [
     "FAMILIES",
@@ -35,6 +36,7 @@ __all__ = [
     "ParsedReply",
     "PriorCall",
     "RenderedPrompt",
+    "Retokenized",
     "SplitReason",
     "StreamingParser",
     "ToolCall",
@@ -47,6 +49,9 @@ __all__ = [
     "register_family",
     "register_parser",
     "render_prompt",
+    "render_reply_text",
+    "retokenize_reply",
+    "retokenize_text",
     "short_tool_call_id",
     "to_template_messages",
 ]

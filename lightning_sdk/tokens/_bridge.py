@@ -136,18 +136,19 @@ def render_prompt(
 
 
 def _find_parent(keys: list[str], tkey: str, prior: Sequence[PriorCall]) -> int | None:
-    """The prior call whose messages + reply this call repeats (the longest; the latest among equals)."""
-    best: int | None = None
-    best_len = -1
-    for i, p in enumerate(prior):
+    """The prior call whose messages + reply this call repeats (the longest; the latest among equals).
+
+    Candidates are tried longest first and the reply is compared before the history, so a long attempt costs
+    about one message comparison per earlier call plus one full prefix check."""
+    order = sorted(range(len(prior)), key=lambda i: (len(prior[i].messages), i), reverse=True)
+    for i in order:
+        p = prior[i]
         n = len(p.messages)
-        if n + 1 > len(keys) or n < best_len or tools_key(p.tools) != tkey:
+        if n + 1 > len(keys) or keys[n] != message_key({**p.reply, "role": "assistant"}):
             continue
-        if keys[n] != message_key({**p.reply, "role": "assistant"}):
-            continue
-        if all(keys[j] == message_key(p.messages[j]) for j in range(n)):
-            best, best_len = i, n
-    return best
+        if tools_key(p.tools) == tkey and all(keys[j] == message_key(p.messages[j]) for j in range(n)):
+            return i
+    return None
 
 
 def _split_reason(keys: list[str], tkey: str, prior: Sequence[PriorCall]) -> SplitReason:
@@ -213,16 +214,21 @@ def _bridge_suffix(
     if full.startswith(upto):
         new_text = full[len(upto) :]
     else:
+        # the template re-renders the history differently (e.g. drops <think>); the reply's turn ends at the
+        # same count of turn-end markers after the point where the two renderings diverge
         diverge = _common_prefix_len(upto, full)
         count = len(_marker_spans(upto, markers, diverge))
         spans = _marker_spans(full, markers, diverge)
         if count == 0 or len(spans) < count:
             raise TokenizationError(f"{renderer.family.name}: cannot locate the new messages in the rendering")
-        boundary = spans[count - 1][1]
+        start, boundary = spans[count - 1]
+        marker = full[start:boundary]  # how the template closes the reply when more follows (<|end|>)
         if full.startswith(sep, boundary):
             boundary += len(sep)
+        else:
+            sep = ""
         new_text = full[boundary:]
-        logger.debug("%s: the template re-renders the history differently; kept it as sampled", renderer.family.name)
+        notes.append("history kept as sampled; the official template renders it differently")
     last = renderer.decode(list(completion_ids[-1:])) if completion_ids else ""
     closing = sep if any(last.endswith(m) for m in renderer.family.end_markers) else marker + sep
     if len(msgs) > reply_index + 1 and not new_text:

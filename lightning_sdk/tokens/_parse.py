@@ -165,28 +165,34 @@ class StreamingParser:
         self.in_reasoning = parser.starts_in_reasoning(prompt_ids)
         self.id_factory = id_factory or (lambda: new_tool_call_id(parser.family))
         self.ids: list[int] = []
-        self._done_text = ""  # decoded text of ids[: self._done]
-        self._done = 0
+        self._done_text = ""  # decoded text of ids[: self._read]
+        self._prefix = 0  # ids[self._prefix : self._read] give the next decode its left context
+        self._read = 0
         self._content = ""
         self._reasoning = ""
         self._calls: list[ToolCall] = []
         self.message: Message | None = None  # set by finish()
 
     def _text(self) -> str:
-        tail = self.parser.renderer.decode(self.ids[self._done :])
-        if tail and not tail.endswith("\ufffd"):  # a whole character: safe to commit
-            self._done_text += tail
-            self._done = len(self.ids)
+        """The decoded text so far, decoding only the new ids (with a little left context, as tokenizers that
+        drop a leading space when decoding a piece on its own need) and holding back a partial character."""
+        decode = self.parser.renderer.decode
+        before = decode(self.ids[self._prefix : self._read])
+        now = decode(self.ids[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self._done_text += now[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
             return self._done_text
-        return self._done_text + tail.rstrip("\ufffd")
+        return self._done_text + now[len(before) :].rstrip("\ufffd") if now.startswith(before) else self._done_text
 
     def feed(self, ids: Sequence[int]) -> list[Message]:
         """Add sampled ids; return the OpenAI deltas they settle."""
         if self.message is not None:
             raise TokenizationError("feed() after finish()")
         self.ids.extend(ids)
-        text = self._text()
-        cut = self.parser.settled(text, in_reasoning=self.in_reasoning)
+        text = self.parser.strip_stop(self._text())
+        cut = trailing_partial(text, self.parser.family.stops)
+        cut = min(cut, self.parser.settled(text[:cut], in_reasoning=self.in_reasoning))
         return self._emit(self.parser.parse_text(text[:cut], in_reasoning=self.in_reasoning))
 
     def finish(self) -> list[Message]:

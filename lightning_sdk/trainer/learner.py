@@ -110,6 +110,14 @@ class Learner:
                 p.requires_grad_(False)
         self.steps = 0
 
+    def reset_optimizer(self) -> None:
+        """Fresh AdamW moments and warmup (after the warm start changed the weights outside this learner)."""
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.steps = 0
+
     def _lr_factor(self, step: int) -> float:
         return min(1.0, (step + 1) / max(1, self.config.warmup_steps))
 

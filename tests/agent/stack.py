@@ -74,5 +74,5 @@ def assert_calls_traced(detail: RolloutDetail, min_calls: int = 1) -> None:
             prompt_ids, _, _, _ = MockOpenAI.expected_ids(messages, "")
             assert call.prompt_ids == prompt_ids
             if reply.get("content"):
-                assert call.completion_ids == encode(reply["content"]) + [EOS_ID]
+                assert call.completion_ids == [*encode(reply["content"]), EOS_ID]
             assert call.logprobs == [logprob_of(i) for i in range(len(call.completion_ids))]

@@ -23,7 +23,7 @@ LAUNCH = (
     "app(prog_name='lightning-sdk')\n"
 )
 
-AGENT = '''
+AGENT = """
 import lightning_sdk.agent as la
 
 @la.rollout(max_attempts=2)
@@ -40,7 +40,7 @@ def slow(task, llm):
     time.sleep(1.0)
     llm.openai_client().chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
     return 1.0
-'''
+"""
 
 
 def _env() -> dict[str, str]:
@@ -57,8 +57,7 @@ def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
     with threaded_proxy_stack(tmp_path) as st:
         proc = subprocess.run(
             [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:agent", "--server", st.url,
-             "--workers", "3", "--tasks", str(tasks), "--admin-key", ADMIN_KEY, "--summary", str(summary_file),
-             "--no-progress"],
+             "--workers", "3", "--tasks", str(tasks), "--admin-key", ADMIN_KEY, "--summary", str(summary_file)],
             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
@@ -67,6 +66,7 @@ def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
         assert [f["status"] for f in summary["failed"]] == ["failed"]
         assert "ValueError: this task always crashes" in summary["failed"][0]["error"]
         assert "success_rate=0.500" in proc.stderr and "this task always crashes" in proc.stderr
+        assert "rollouts" in proc.stderr and "4/4" in proc.stderr  # the progress bar's last state
         statuses = sorted(a["status"] for a in summary["attempts"])
         assert statuses == ["failed", "failed", "succeeded", "succeeded", "succeeded"]
         for a in summary["attempts"]:
@@ -107,3 +107,31 @@ def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
         page, _ = st.server.call(st.store.list_rollouts(status=RolloutStatus.SUCCEEDED))
         for r in page:
             assert_calls_traced(st.server.call(st.store.get_rollout(r.rollout_id)))
+
+
+def test_sigterm_releases_in_flight_attempts_after_the_grace_period(tmp_path: Path) -> None:
+    stuck = "\n@la.rollout\ndef stuck(task, llm):\n    __import__('time').sleep(30)\n"
+    (tmp_path / "my_agent.py").write_text(AGENT + stuck)
+    with threaded_proxy_stack(tmp_path) as st:
+        st.server.call(st.store.enqueue([{"q": str(i)} for i in range(3)], max_attempts=1))
+        proc = subprocess.Popen(
+            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:stuck", "--server", st.url,
+             "--workers", "2", "--admin-key", ADMIN_KEY, "--no-progress", "--grace", "0.5"],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while st.server.call(st.store.counts()).get("running", 0) < 2:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        assert "released=2" in err
+        counts = st.server.call(st.store.counts())
+        assert counts.get("queued") == 3 and counts.get("running", 0) == 0, counts
+        page, _ = st.server.call(st.store.list_rollouts(status=RolloutStatus.QUEUED))
+        assert [r.attempts_used for r in page] == [0, 0, 0]  # released attempts do not use up max_attempts

@@ -201,3 +201,28 @@ async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> 
         await pool.close()
         await pool2.close()
         assert len(groups) == 5
+
+
+async def test_release_kills_a_running_command_agent(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    script = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(30)"
+    agent = la.CommandAgent([sys.executable, "-c", script], kill_grace_s=0.5)
+    async with proxy_stack(tmp_path) as st:
+        await st.store.enqueue([{"q": "1"}], split="c")
+        pool = la.WorkerPool(agent, st.store, st.url, n_workers=1, split="c", poll_s=0.05)
+        running = asyncio.create_task(pool.run_until())
+        for _ in range(200):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            await asyncio.sleep(0.05)
+        pool.stop(release=True)
+        results = await running
+        await pool.close()
+        assert [r.status for r in results] == ["released"]
+        pid = int(pidfile.read_text())
+        for _ in range(40):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists()
+        assert (await st.store.counts()).get("queued") == 1

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lightning_sdk.engines.base import Engine, Sampling
-from lightning_sdk.engines.launch import free_port, launch_server, launch_sglang
+from lightning_sdk.engines.launch import ManagedServer, free_port, launch_many, launch_server, launch_sglang, running
 from lightning_sdk.engines.sglang import SGLangEngine
 from lightning_sdk.errors import EngineError
 from tests.support.servers import serve_async
@@ -335,31 +335,41 @@ async def test_update_on_every_server_and_errors(tmp_path: Path) -> None:
     await gone.close()
 
 
-def test_launch_server_health_waits_and_stops(tmp_path: Path) -> None:
-    """``launch_server`` on a real child process (this file as a script), then the client against it."""
-    port = free_port()
+def test_launch_many_health_waits_routes_and_stops(tmp_path: Path) -> None:
+    """Two real child processes (this file as a script) started by ``launch_many``; the client spreads attempts
+    over them; ``running`` stops both."""
     root = Path(__file__).resolve().parents[2]
-    server = launch_server(
-        [sys.executable, __file__, "--port", str(port)],
-        port=port,
-        env={"PYTHONPATH": str(root)},
-        log_path=tmp_path / "fake.log",
-        timeout=60,
-    )
-    try:
-        assert server.running()
 
-        async def call() -> list[int]:
-            engine = SGLangEngine(server.url)
+    def launcher(model_path: Path, *, gpus: list[int]) -> ManagedServer:
+        port = free_port()
+        return launch_server(
+            [sys.executable, __file__, "--port", str(port)],
+            port=port,
+            env={"PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))},
+            log_path=tmp_path / f"fake-{gpus[0]}.log",
+            timeout=60,
+        )
+
+    servers = launch_many(launcher, tmp_path, gpus=[[0], [1]])
+    assert all(s.running() for s in servers)
+    with running(servers) as urls:
+
+        async def call() -> list[Any]:
+            engine = SGLangEngine(urls)
             try:
-                return (await engine.generate([4, 5], Sampling(max_tokens=3))).completion_ids
+                return list(
+                    await asyncio.gather(
+                        engine.generate([4, 5], Sampling(max_tokens=3), session_id="a"),
+                        engine.generate([4, 5], Sampling(max_tokens=3), session_id="b"),
+                    )
+                )
             finally:
                 await engine.close()
 
-        assert asyncio.run(call()) == expected([4, 5], 3)[0]
-    finally:
-        server.stop()
-    assert not server.running()
+        gens = asyncio.run(call())
+    assert [g.completion_ids for g in gens] == [expected([4, 5], 3)[0]] * 2
+    assert {g.meta["server"] for g in gens} == set(urls)
+    assert not any(s.running() for s in servers)
 
 
 def test_launch_errors_are_clear(tmp_path: Path) -> None:
@@ -381,5 +391,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
-    uvicorn.run(FakeSGLang().app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(FakeSGLang().app, host=args.host, port=args.port, log_level="warning")

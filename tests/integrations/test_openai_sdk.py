@@ -4,6 +4,7 @@ attempt that made it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -79,13 +80,13 @@ async def test_sync_async_streaming_and_tools(tmp_path: Path) -> None:
                     assert first.finish_reason == "tool_calls" and first.request["tools"] == TOOLS
                     tool_call = {"name": "calculator", "arguments": json.dumps({"query": r.task["q"]})}
                     want = f"<tool_call>{json.dumps(tool_call, sort_keys=True)}</tool_call>"
-                    assert first.completion_ids == encode(want) + [EOS_ID]
+                    assert first.completion_ids == [*encode(want), EOS_ID]
                     assert second.request["messages"][-1] == {
                         "role": "tool",
                         "tool_call_id": "call_0",
                         "content": "4",
                     }
-                    assert second.completion_ids == encode("The tool said: 4") + [EOS_ID]
+                    assert second.completion_ids == [*encode("The tool said: 4"), EOS_ID]
 
 
 @la.rollout
@@ -96,8 +97,8 @@ async def tagged_agent(task: dict[str, str], llm: la.LLM) -> None:
     await async_client.chat.completions.create(model=llm.model, messages=messages)  # untagged
     with tagged(lightning_agent="planner"):
         await async_client.chat.completions.create(model=llm.model, messages=messages, metadata={"keep": "me"})
-        with tagged(lightning_node="critic"):
-            sync_client.chat.completions.create(model=llm.model, messages=messages)
+        with tagged(lightning_node="critic"):  # the sync client on a thread: the tags follow the copied context
+            await asyncio.to_thread(sync_client.chat.completions.create, model=llm.model, messages=messages)
 
 
 async def test_tagging_clients_label_calls(tmp_path: Path) -> None:
@@ -113,4 +114,3 @@ async def test_tagging_clients_label_calls(tmp_path: Path) -> None:
             {"keep": "me", "lightning_agent": "planner"},
             {"lightning_agent": "planner", "lightning_node": "critic"},
         ]
-        assert [h.get("x-lightning-agent") for h in st.mock.headers[-3:]] == [None, "planner", "planner"]

@@ -8,11 +8,14 @@ right after its exact prompt (so each record's context is what the engine was gi
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_sdk.records import merge_attempt
-from lightning_sdk.types import Call
+from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records, merge_attempt
+from lightning_sdk.store.base import FinishedGroup
+from lightning_sdk.types import Attempt as AttemptRow
+from lightning_sdk.types import AttemptDetail, AttemptStatus, Call, Group, Reward, Rollout, RolloutDetail
 from tests.records.calls import Attempt, full
 
 
@@ -93,3 +96,43 @@ def test_segments_are_the_prefix_trie_leaves(calls: list[Call]) -> None:
     res = merge_attempt(calls)
     assert len(res.segments) == len(leaves)
     assert sorted(s.input_ids.tolist() for s in res.segments) == sorted(full(c) for c in leaves)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(attempts(alphabet=50), st.sampled_from([0.0, 1.0, 0.5])), min_size=1, max_size=4),
+    st.sampled_from(["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]),
+)
+def test_records_share_their_attempts_advantage_and_weigh_one_per_rollout(
+    rollouts: list[tuple[list[Call], float]], estimator: str
+) -> None:
+    details = []
+    for i, (calls, reward) in enumerate(rollouts):
+        rid, aid = f"r{i}", f"r{i}-a"
+        calls = [
+            c.model_copy(update={"rollout_id": rid, "attempt_id": aid, "call_id": f"{aid}-{c.seq}"}) for c in calls
+        ]
+        att = AttemptRow(attempt_id=aid, rollout_id=rid, index=0, token=aid, status=AttemptStatus.SUCCEEDED)
+        rew = [Reward(rollout_id=rid, attempt_id=aid, value=reward)]
+        ro = Rollout(rollout_id=rid, group_id="g", task={})
+        details.append(RolloutDetail(rollout=ro, attempts=[AttemptDetail(attempt=att, calls=calls, rewards=rew)]))
+    res = build_records(
+        [FinishedGroup(Group(group_id="g", task={}, n=len(details)), details)],
+        RecordsConfig(advantage=AdvantageConfig(estimator=estimator)),
+    )
+    per_rollout: dict[str, list[float]] = {}
+    for rec in res.records:
+        assert np.all(rec.advantages[rec.loss_mask == 0] == 0.0)
+        trained = rec.advantages[rec.loss_mask == 1]
+        assert trained.size == rec.segment.n_trained and np.all(trained == trained[0])
+        per_rollout.setdefault(rec.rollout_id, []).append(rec.weight)
+        assert rec.reward == rollouts[int(rec.rollout_id[1:])][1]
+    assert set(per_rollout) == {f"r{i}" for i in range(len(rollouts))}
+    for weights in per_rollout.values():
+        assert sum(weights) == pytest.approx(1.0)
+    values = {r.rollout_id: r.scalar_advantage() for r in res.records}
+    rewards = [rw for _, rw in rollouts]
+    if len(set(rewards)) == 1 and len(rewards) > 1:
+        assert res.zero_variance_groups == 1
+        if estimator != "reinforce_plus_plus_baseline":
+            assert set(values.values()) == {0.0}

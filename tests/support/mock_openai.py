@@ -161,7 +161,7 @@ class MockOpenAI:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.n_requests = 0
-        self.cancelled = 0  # streams whose client went away before the end
+        self.cancelled = 0  # requests whose client went away before the end (slow replies and streams)
         self._ids = itertools.count()
         self.app = Starlette(
             routes=[
@@ -205,7 +205,12 @@ class MockOpenAI:
         if drop:
             self.drop_first -= 1
         if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+            deadline = time.monotonic() + self.delay_s
+            while time.monotonic() < deadline:  # a slow engine that notices when the client goes away
+                if await request.is_disconnected():
+                    self.cancelled += 1
+                    return None, _error(499, "client went away", "cancelled"), False
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         return body, None, drop
 
     async def _models(self, request: Request) -> Response:

@@ -73,7 +73,14 @@ class ProxyHandle:
             body["error"] = error
         return self.http.post("/lightning/v1/finish", json=body, headers={"Authorization": f"Bearer {token}"})
 
-    def rollout(self, rollout_id: str) -> dict[str, Any]:
+    def drain(self) -> None:
+        """Wait until every call and reward the proxy has received so far is committed to the store."""
+        self.call(self.app.state.proxy.recorder.drain())
+
+    def rollout(self, rollout_id: str, *, drain: bool = True) -> dict[str, Any]:
+        """``GET /lightning/v1/rollouts/{id}`` (after ``drain()`` unless told not to)."""
+        if drain:
+            self.drain()
         r = self.http.get(f"/lightning/v1/rollouts/{rollout_id}", headers=self.admin)
         r.raise_for_status()
         data: dict[str, Any] = r.json()

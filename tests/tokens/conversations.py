@@ -29,6 +29,7 @@ def renderer_for(name: str) -> ChatRenderer:
     kwargs = {"date_string": "26 Jul 2024"} if name.startswith("llama") else None
     return ChatRenderer(load_tokenizer(name), template_kwargs=kwargs)
 
+
 TOOLS: list[Message] = [
     {
         "type": "function",
@@ -55,6 +56,7 @@ TOOLS: list[Message] = [
         },
     },
 ]
+
 
 def tool_call(name: str, arguments: dict[str, Any], call_id: str) -> Message:
     """An OpenAI tool call; ids of 9 letters/digits suit every template (Mistral demands exactly that)."""

@@ -117,3 +117,22 @@ def test_bypass_mode_uses_rollout_logprobs(tiny_model_dir: Path) -> None:
         assert "rollout_corr/rollout_is_mean" in metrics  # computed inside the bypass loss
     finally:
         backend.shutdown()
+
+
+def test_kl_to_a_frozen_reference(tiny_model_dir: Path) -> None:
+    """``kl_coef > 0`` builds verl's reference worker (role ``ref``, forward only); KL is 0 until the actor moves."""
+    backend = VerlBackend(VerlConfig(model_dir=str(tiny_model_dir), device="cpu", lr=2e-2, kl_coef=0.1), use_ray=False)
+    try:
+        rows = sample_rows(tiny_model_dir, seed=4)
+        first = backend.step(rows)
+        second = backend.step(rows)
+        assert first["kl_coef"] == pytest.approx(0.1)
+        assert first["kl_loss"] == pytest.approx(0.0, abs=1e-6)  # actor == reference before the first update
+        assert second["kl_loss"] > 1e-4
+        data = records_to_dataproto(rows)
+        data.meta_info["temperature"] = 1.0
+        (ref_lp,) = backend.ranks.call("compute_ref_log_prob", shard_tensordicts(data, 1))
+        mask = data.batch["response_mask"].bool()
+        torch.testing.assert_close(ref_lp[mask], data.batch["rollout_log_probs"][mask], atol=2e-4, rtol=1e-4)
+    finally:
+        backend.shutdown()

@@ -160,3 +160,23 @@ def install_cpu_platform() -> None:
 
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cpu")(FSDPEngineWithLMHead)
     EngineRegistry.register(model_type="value_model", backend=["fsdp", "fsdp2"], device="cpu")(FSDPEngineWithValueHead)
+    _unpin_offload_policy()
+
+
+def _unpin_offload_policy() -> None:
+    """Forward-only engines (the reference model) get ``CPUOffloadPolicy(pin_memory=True)`` under FSDP2; pinned memory
+    needs an accelerator and on CPU the parameters are host memory already, so keep the policy, unpinned."""
+    import importlib
+
+    transformer_impl: Any = importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
+    base = transformer_impl.CPUOffloadPolicy
+    if base is None or getattr(base, "_lightning_unpinned", False):
+        return
+
+    class UnpinnedCPUOffloadPolicy(base):  # type: ignore[misc,valid-type]
+        _lightning_unpinned = True
+
+        def __init__(self, pin_memory: bool = True) -> None:
+            super().__init__(pin_memory=False)
+
+    transformer_impl.CPUOffloadPolicy = UnpinnedCPUOffloadPolicy

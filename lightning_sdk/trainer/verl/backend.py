@@ -80,7 +80,7 @@ class LocalRanks:
         return [getattr(self.rank, method)(*args)]
 
     def shutdown(self) -> None:
-        return None
+        self.rank.close()
 
 
 class RayRanks:
@@ -106,9 +106,7 @@ class RayRanks:
         def strategy(i: int) -> Any:
             return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
 
-        addr, port = ray.get(
-            ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=strategy(0)).remote()
-        )
+        addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=strategy(0)).remote())
         yaml = OmegaConf.to_yaml(config, resolve=False)
         actor_cls = ray.remote(VerlRank)
         env = {"env_vars": _worker_env()}

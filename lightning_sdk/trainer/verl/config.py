@@ -77,6 +77,8 @@ def to_verl_config(cfg: VerlConfig) -> Any:
 
     if not Path(cfg.model_dir).is_dir():
         raise ConfigError(f"verl backend: model_dir {cfg.model_dir!r} is not a directory (a Hugging Face checkpoint)")
+    if cfg.device == "cpu" and cfg.strategy == "fsdp":
+        raise ConfigError("verl backend: strategy 'fsdp' (FSDP1) needs a GPU; use 'fsdp2' on CPU")
     full = _compose_defaults(cfg.model_dir)
     param_dtype = cfg.param_dtype or ("bf16" if cfg.device == "cuda" else "fp32")
     ours: dict[str, Any] = {
@@ -114,6 +116,12 @@ def to_verl_config(cfg: VerlConfig) -> Any:
         "actor_rollout_ref.rollout.temperature": cfg.temperature,
         "actor_rollout_ref.ref.strategy": cfg.strategy,
         "actor_rollout_ref.ref.fsdp_config.strategy": cfg.strategy,
+        "actor_rollout_ref.ref.fsdp_config.model_dtype": "fp32",
+        "actor_rollout_ref.ref.fsdp_config.mixed_precision": {
+            "param_dtype": param_dtype,
+            "reduce_dtype": "fp32",
+            "buffer_dtype": "fp32",
+        },
         "algorithm.rollout_correction.rollout_is": "token" if cfg.rollout_correction != "none" else None,
         "algorithm.rollout_correction.rollout_is_threshold": cfg.tis_threshold,
         "algorithm.rollout_correction.bypass_mode": cfg.rollout_correction == "bypass",

@@ -54,28 +54,36 @@ class VerlRank:
         self.rank = rank
         self.world_size = world_size
         device = str(config.trainer.get("device", "cuda"))
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK="0",
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-        )
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+        self._saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         if device == "cpu":
             from lightning_sdk.trainer.verl._cpu_platform import install_cpu_platform
 
             install_cpu_platform()
-        if not torch.distributed.is_initialized():
+        self._owns_process_group = not torch.distributed.is_initialized()
+        if self._owns_process_group:
             backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
             torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
         self.use_ref = bool(config.actor_rollout_ref.actor.use_kl_loss)
-        role = "actor_rollout_ref" if self.use_ref else "actor"
+        self.ref_worker: Any = None
         try:
             from verl.workers.engine_workers import ActorRolloutRefWorker
 
             t0 = time.perf_counter()
-            self.worker: Any = ActorRolloutRefWorker(config=config.actor_rollout_ref, role=role.replace("_rollout", ""))
+            # verl's roles that include "ref" also include "rollout" (an inference engine we do not use), so the
+            # frozen reference is a second worker of role "ref" in this process, sharing the process group.
+            self.worker: Any = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="actor")
             self.worker.init_model()
+            if self.use_ref:
+                self.ref_worker = ActorRolloutRefWorker(config=config.actor_rollout_ref, role="ref")
+                self.ref_worker.init_model()
         except Exception as exc:
             raise TrainerError(f"verl worker rank {rank} failed to build its model: {exc}") from exc
         logger.info("verl rank %d/%d ready on %s in %.1fs", rank, world_size, device, time.perf_counter() - t0)
@@ -98,7 +106,7 @@ class VerlRank:
         if not self.use_ref:
             raise TrainerError("the reference model is built only when kl_coef > 0")
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-        out = self.worker.compute_ref_log_prob(td)
+        out = self.ref_worker.compute_ref_log_prob(td)
         return no_padding_2_padding(tu.get(out, "log_probs"), td).float().cpu()
 
     def update_actor(self, td: Any) -> dict[str, float]:
@@ -148,3 +156,16 @@ class VerlRank:
 
     def ping(self) -> int:
         return self.rank
+
+    def close(self) -> None:
+        """Drop the workers and, when this rank created it, the process group; restore the environment (for
+        in-process use: a Ray actor just ends)."""
+        self.worker = None
+        self.ref_worker = None
+        if self._owns_process_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -1,0 +1,43 @@
+"""The calc agent: plain OpenAI-SDK code with a calculator tool, made trainable by one decorator.
+
+The model gets an arithmetic question in words and the ``calculator`` tool. It should call the tool with the right
+expression, read the result and answer with the number. The reward (``tasks.reward``) is 1.0 for a correct final
+answer. Nothing here knows about training: ``llm.base_url`` / ``llm.api_key`` point at the tracing proxy, which
+records the exact tokens the policy sampled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import openai
+
+import lightning_sdk as ls
+from tasks import CALCULATOR_TOOL, evaluate, reward
+
+MAX_TURNS = 3
+
+
+@ls.rollout(timeout=120)
+async def agent(task: dict[str, Any], llm: ls.LLM) -> float:
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
+    answer: str | None = None
+    for _ in range(MAX_TURNS):
+        response = await client.chat.completions.create(
+            model=llm.model, messages=messages, tools=[CALCULATOR_TOOL], max_tokens=64  # type: ignore[arg-type]
+        )
+        message = response.choices[0].message
+        if not message.tool_calls:
+            answer = message.content
+            break
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            try:
+                expression = str(json.loads(call.function.arguments).get("expression", ""))
+            except (json.JSONDecodeError, AttributeError):
+                expression = ""
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": evaluate(expression)})
+    await client.close()
+    return reward(task, answer)

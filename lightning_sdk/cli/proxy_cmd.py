@@ -1,0 +1,132 @@
+"""``lightning-sdk proxy``: the tracing proxy alone, in front of any OpenAI-compatible server.
+
+::
+
+    lightning-sdk proxy --upstream http://127.0.0.1:8000/v1 --store traces.db [--host 127.0.0.1] [--port 4700]
+                        [--admin-key KEY] [--policy-model NAME] [--upstream-model NAME] [--max-body-bytes N]
+
+Agents point ``base_url`` at ``http://HOST:PORT/v1`` with an attempt token as their API key (open one with
+``POST /lightning/v1/sessions`` and the admin key). The admin key comes from ``--admin-key``, else
+``$LIGHTNING_SDK_ADMIN_KEY``, else a new one is generated and printed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Annotated
+from urllib.parse import urlparse
+
+import typer
+
+from lightning_sdk.cli._app import app
+from lightning_sdk.errors import LightningSDKError
+
+__all__ = ["proxy"]
+
+ADMIN_KEY_ENV = "LIGHTNING_SDK_ADMIN_KEY"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(code=2)
+
+
+def _check_upstream(upstream: str, api_key: str | None) -> None:
+    """Fail early and clearly when the upstream is not an OpenAI-compatible server we can reach."""
+    import httpx
+
+    parsed = urlparse(upstream)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise _fail(f"--upstream {upstream!r} is not an http(s) URL (expected e.g. http://127.0.0.1:8000/v1)")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(upstream.rstrip("/") + "/models", headers=headers, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise _fail(f"upstream {upstream} is unreachable ({type(exc).__name__}: {exc})") from None
+    if r.status_code == 404:
+        raise _fail(f"upstream {upstream} has no /models: is the URL the server's base URL ending in /v1?")
+    if r.status_code >= 400:
+        typer.secho(f"warning: upstream GET /models answered {r.status_code}", err=True, fg=typer.colors.YELLOW)
+
+
+def _check_port(host: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise _fail(f"--port {port} is not a TCP port (1-65535)")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+@app.command("proxy")
+def proxy(
+    upstream: Annotated[str, typer.Option(help="Base URL of the OpenAI-compatible server, ending in /v1.")],
+    store: Annotated[str, typer.Option(help="Store: a SQLite file path (created if missing), or an http(s) URL.")],
+    host: Annotated[str, typer.Option(help="Interface to bind (127.0.0.1 unless you mean it).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 4700,
+    admin_key: Annotated[
+        str | None, typer.Option(help=f"Admin key (default: ${ADMIN_KEY_ENV}, else generated and printed).")
+    ] = None,
+    policy_model: Annotated[
+        list[str] | None,
+        typer.Option(help="Model name(s) that mean the policy (repeatable); default: any name."),
+    ] = None,
+    upstream_model: Annotated[
+        str | None, typer.Option(help="Model name sent upstream (when agents use another name).")
+    ] = None,
+    upstream_api_key: Annotated[
+        str | None, typer.Option(help="Bearer key for the upstream (default: $OPENAI_API_KEY if set).")
+    ] = None,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body accepted (413 above).")] = 32 * 1024 * 1024,
+    token_ids: Annotated[
+        bool, typer.Option(help="Ask the upstream for token ids (vLLM return_token_ids) and logprobs.")
+    ] = True,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the upstream's next bytes (504 after).")] = 600.0,
+    retries: Annotated[int, typer.Option(help="Retries on connection errors, 429 and 5xx (then 502).")] = 3,
+) -> None:
+    """Trace an OpenAI-compatible server: every call through the proxy is recorded in the store."""
+    from lightning_sdk.proxy import PassthroughBackend, PassthroughConfig, ProxyConfig, create_app, serve
+    from lightning_sdk.store import open_store
+
+    if max_body_bytes < 1024:
+        raise _fail("--max-body-bytes must be at least 1024")
+    if retries < 0 or timeout <= 0:
+        raise _fail("--retries must be >= 0 and --timeout > 0")
+    key = upstream_api_key or os.environ.get("OPENAI_API_KEY") or None
+    _check_upstream(upstream, key)
+    _check_port(host, port)
+    admin = admin_key or os.environ.get(ADMIN_KEY_ENV)
+    if not admin:
+        admin = secrets.token_urlsafe(24)
+        typer.echo(f"admin key (generated): {admin}")
+    if not store.startswith(("http://", "https://")):
+        parent = Path(store).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise _fail(f"--store {store}: folder {parent} does not exist")
+    try:
+        the_store = open_store(store, admin_key=admin)
+    except LightningSDKError as exc:
+        raise _fail(f"--store {store}: {exc}") from None
+    backend = PassthroughBackend(
+        PassthroughConfig(
+            upstream=upstream,
+            api_key=key,
+            model=upstream_model,
+            request_token_ids=token_ids,
+            request_logprobs=token_ids,
+            max_retries=retries,
+            timeout_s=timeout,
+        )
+    )
+    config = ProxyConfig(policy_models=policy_model or None, max_body_bytes=max_body_bytes)
+    application = create_app(the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True)
+    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {upstream} (store: {store})")
+    typer.echo(
+        f"open a session: POST http://{host}:{port}/lightning/v1/sessions with 'Authorization: Bearer <admin key>'"
+    )
+    serve(application, host=host, port=port)

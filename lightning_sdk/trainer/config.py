@@ -1,0 +1,166 @@
+"""The training config: one flat, typed model per component, read from a TOML, YAML or JSON file.
+
+``lightning-sdk train examples/calc_agent`` reads ``examples/calc_agent/train.toml`` (the first of ``train.toml``,
+``train.yaml``, ``train.yml``, ``train.json`` in the directory). Paths and ``FILE.py:NAME`` references in the file
+are relative to the file's directory. Every field has a default; the resolved config is logged and written to the
+run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lightning_sdk.errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "EvalConfig",
+    "PolicyConfig",
+    "RLConfig",
+    "TrainConfig",
+    "WarmStartSettings",
+    "load_train_config",
+]
+
+logger = logging.getLogger(__name__)
+
+_CONFIG_NAMES = ("train.toml", "train.yaml", "train.yml", "train.json")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Section):
+    """Where tasks and demonstrations come from: a JSONL file or ``FILE.py:FUNCTION`` returning a list of dicts."""
+
+    train: str | None = None
+    heldout: str | None = None
+    demonstrations: str | None = None
+    validation: str | None = None  # tasks that decide when the warm start stops (train split, never held out)
+
+
+class PolicyConfig(_Section):
+    """``model = "tiny"`` builds the default tiny policy; otherwise a local HF causal-LM directory."""
+
+    model: str = "tiny"
+    vocab_size: int = 480
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 688
+    seed: int = 0
+
+
+class WarmStartSettings(_Section):
+    enabled: bool = True
+    lr: float = 1e-3
+    batch_size: int = 32
+    max_steps: int = 400
+    eval_every: int = 10
+    target_success: float = 0.2
+    validation_tasks: int = 64
+
+
+class RLConfig(_Section):
+    """The RL phase: GRPO over groups of ``samples_per_task`` rollouts, one learner update per step."""
+
+    steps: int = 60
+    tasks_per_step: int = 16
+    samples_per_task: int = 8
+    max_staleness: int = 1
+    estimator: str = "grpo"
+    drop_zero_variance: bool = True
+    lr: float = 1e-4
+    warmup_steps: int = 5
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    micro_batch_tokens: int = 8192
+    temperature: float = 1.0
+    max_tokens: int = 64
+    workers: int = 64
+    max_wall_s: float | None = 420.0  # stop RL once the whole run has taken this long (evaluations excluded after)
+    checkpoint_every: int = 1
+    seed: int = 0
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation before and after RL, through the proxy with the same agent code."""
+
+    enabled: bool = True
+    n: int = 200
+    temperature: float = 0.0
+    max_tokens: int = 64
+    workers: int = 64
+
+
+class TrainConfig(_Section):
+    agent: str
+    name: str = "run"
+    base_dir: Path = Field(default_factory=Path.cwd)
+    data: DataConfig = Field(default_factory=DataConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    warm_start: WarmStartSettings = Field(default_factory=WarmStartSettings)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    threads: int | None = None  # torch intra-op threads (default: torch's choice)
+
+    def resolve(self, ref: str) -> str:
+        """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""
+        path, sep, attr = ref.partition(":") if ".py:" in ref else (ref, "", "")
+        p = Path(path)
+        if not p.is_absolute():
+            p = self.base_dir / p
+        return f"{p}{sep}{attr}"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+            return data if isinstance(data, dict) else {}
+        return dict(json.loads(text))
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, ValueError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}") from exc
+
+
+def load_train_config(config_or_dir: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Read the training config from a file or an example directory (see the module docstring)."""
+    path = Path(config_or_dir)
+    if path.is_dir():
+        found = next((path / n for n in _CONFIG_NAMES if (path / n).exists()), None)
+        if found is None:
+            raise ConfigError(f"{path} has no {' / '.join(_CONFIG_NAMES)}")
+        path = found
+    if not path.exists():
+        raise ConfigError(f"no config file {path}")
+    data = _read(path)
+    data.setdefault("base_dir", str(path.parent.resolve()))
+    data.setdefault("name", path.parent.resolve().name)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        config = TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid training config {path}:\n{exc}") from exc
+    logger.info("training config: %s", config.model_dump_json())
+    return config

@@ -1,0 +1,332 @@
+"""The trainer daemon: store + proxy (token mode over the embedded engine) + learner in one asyncio process.
+
+    ┌──────── agents (in process: WorkerPool; or remote: lightning-sdk run) ────────┐
+    │            HTTP (OpenAI API, attempt token)                                    │
+    ▼                                                                                │
+  proxy ──ids──▶ EmbeddedEngine (worker thread, batches requests)                    │
+    │ calls                                                                          │
+    ▼                                                                                │
+  store ──finished groups (≤ max_staleness versions old)──▶ records ──▶ Learner (thread)
+    ▲                                                                    │
+    └──────────── consume_groups(step) ◀── checkpoint ◀── new weights ───┘──▶ engine.update_weights(version+1)
+
+Rollouts keep flowing while the learner trains: the engine serves agents from its own thread and the learner
+steps in another, so the event loop (proxy, store, workers) never waits for either. One training step:
+
+1. take ``tasks_per_step`` finished train groups, oldest first; a group sampled more than ``max_staleness`` policy
+   versions ago (its oldest call) is dropped (consumed without training, counted);
+2. build records (merge, advantages: GRPO by default) and a padded batch; one learner update in a thread;
+3. write the checkpoint (weights, optimizer, step, the step's groups), then ``consume_groups(step, ...)``, then
+   swap the weights into the engine and publish the version. See ``checkpoint.py`` for why this order makes a
+   killed daemon resume with no group trained twice and none lost.
+
+The daemon also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
+enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+
+from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.errors import TrainerError
+from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
+from lightning_sdk.records.batch import build_batch
+from lightning_sdk.store.base import FinishedGroup, Store
+from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from lightning_sdk.trainer.learner import Learner, TrainBatch
+from lightning_sdk.types import PolicyVersion, Resource
+
+__all__ = ["StepReport", "TrainerDaemon", "free_port", "group_version"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def group_version(group: FinishedGroup) -> int | None:
+    """The oldest policy version that sampled any call of the group (None: no policy calls)."""
+    versions = [
+        c.policy_version
+        for d in group.rollouts
+        for a in d.attempts
+        for c in a.calls
+        if c.is_policy and c.policy_version is not None
+    ]
+    return min(versions) if versions else None
+
+
+@dataclass
+class StepReport:
+    """What one training step did (a row of metrics.jsonl)."""
+
+    step: int
+    version: int
+    wall_s: float
+    groups: int
+    dropped_stale: int
+    records: int
+    reward_mean: float
+    success_rate: float
+    staleness_mean: float
+    staleness_max: int
+    zero_variance_groups: int
+    queue_depth: int
+    tokens_per_s: float
+    learner_s: float
+    wait_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "metrics"}
+        out.update(self.metrics)
+        return out
+
+
+class TrainerDaemon:
+    """Owns the store, the engine, the proxy server and the learner; ``train_steps`` runs the async RL loop."""
+
+    def __init__(
+        self,
+        store: Store,
+        engine: EmbeddedEngine,
+        learner: Learner,
+        run_dir: str | Path,
+        *,
+        train_tasks: Sequence[dict[str, Any]] = (),
+        tasks_per_step: int = 16,
+        samples_per_task: int = 8,
+        max_staleness: int = 1,
+        records_config: RecordsConfig | None = None,
+        rollout_sampling: dict[str, Any] | None = None,
+        admin_key: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "policy",
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.learner = learner
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.train_tasks = list(train_tasks)
+        self.tasks_per_step = tasks_per_step
+        self.samples_per_task = samples_per_task
+        self.max_staleness = max_staleness
+        self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
+        self.rollout_sampling = rollout_sampling
+        self.admin_key = admin_key
+        self.host = host
+        self.port = port or free_port(host)
+        self.model_name = model_name
+        self.step = 0
+        self.version = engine.policy_version
+        self.next_task = 0
+        self.consumed: dict[int, dict[str, list[str]]] = {}
+        self.dropped_total = 0
+        self.learner_busy_s = 0.0
+        self._server: uvicorn.Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Resume from the run directory's checkpoint if any, then serve the proxy; returns its URL."""
+        from lightning_sdk.proxy import create_app
+        from lightning_sdk.proxy.serve import uvicorn_config
+        from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
+        from lightning_sdk.tokens import ChatRenderer
+
+        await self._resume()
+        renderer = ChatRenderer(self.engine.tokenizer)
+        backend = TokenModeBackend(self.engine, renderer, config=TokenModeConfig(model_name=self.model_name))
+        app = create_app(self.store, policy_backend=backend, admin_key=self.admin_key)
+        self._server = uvicorn.Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
+        self._server_task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._server_task.done():
+                raise TrainerError(f"the proxy could not start on {self.url}")
+            await asyncio.sleep(0.02)
+        await self.store.set_resource(Resource(name=self.model_name, base_url=self.url + "/v1", kind="embedded"))
+        logger.info("trainer daemon serving on %s (policy version %d, step %d)", self.url, self.version, self.step)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None and self._server_task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._server_task
+        self._server = None
+
+    async def _resume(self) -> None:
+        ckpt = load_checkpoint(self.run_dir)
+        if ckpt is None:
+            await self.store.publish_version(PolicyVersion(version=self.version, step=0))
+            return
+        self.learner.load_state_dict(ckpt.learner)
+        self.step, self.version, self.next_task, self.consumed = ckpt.step, ckpt.version, ckpt.next_task, ckpt.consumed
+        if ckpt.step in ckpt.consumed:  # the crash may have hit between the checkpoint and the store update
+            await self.store.consume_groups(ckpt.step, ckpt.groups_of(ckpt.step))
+        await self.engine.update_weights(self.learner.weights(), self.version)
+        await self.store.publish_version(PolicyVersion(version=self.version, step=self.step))
+        logger.info("resumed from step %d (policy version %d)", self.step, self.version)
+
+    # -- the queue -----------------------------------------------------------------------------------------------
+    async def feed(self) -> None:
+        """Enqueue train tasks until ``(1 + max_staleness) * tasks_per_step`` groups are outstanding."""
+        if not self.train_tasks:
+            return
+        consumed = sum(len(v.get("trained", [])) + len(v.get("dropped", [])) for v in self.consumed.values())
+        want = (1 + self.max_staleness) * self.tasks_per_step - (self.next_task - consumed)
+        if want <= 0:
+            return
+        ks = range(self.next_task, self.next_task + want)
+        tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
+        await self.store.enqueue(
+            tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks]
+        )
+        self.next_task += want
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    async def _take_groups(self, stop: Callable[[], bool]) -> tuple[list[FinishedGroup], list[FinishedGroup], float]:
+        """Wait for ``tasks_per_step`` fresh finished groups; returns (fresh, stale, seconds waited)."""
+        t0 = time.perf_counter()
+        while True:
+            await self.feed()
+            finished = await self.store.finished_groups(limit=4 * self.tasks_per_step + 64, split="train")
+            fresh: list[FinishedGroup] = []
+            stale: list[FinishedGroup] = []
+            for g in finished:
+                v = group_version(g)
+                if v is not None and self.version - v > self.max_staleness:
+                    stale.append(g)
+                elif len(fresh) < self.tasks_per_step:
+                    fresh.append(g)
+            if len(fresh) >= self.tasks_per_step or stop():
+                return fresh, stale, time.perf_counter() - t0
+            await self.store.expire_leases()
+            await asyncio.sleep(0.05)
+
+    async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
+        """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
+        t_start = time.perf_counter()
+        tokens_before = self.engine.stats["tokens"]
+        fresh, stale, waited = await self._take_groups(stop)
+        if len(fresh) < self.tasks_per_step:
+            return None
+        step = self.step + 1
+        built = build_records(fresh, self.records_config)
+        rewards = [r.reward for r in built.reports if r.reward is not None]
+        n_rollouts = sum(len(g.rollouts) for g in fresh)
+        staleness = [self.version - (group_version(g) or self.version) for g in fresh]
+        metrics: dict[str, float] = {}
+        learner_s = 0.0
+        if built.records:
+            batch = self._batch(built.records)
+            t0 = time.perf_counter()
+            metrics = await asyncio.to_thread(self.learner.step, batch)
+            learner_s = time.perf_counter() - t0
+            self.learner_busy_s += learner_s
+            new_version = self.version + 1
+        else:
+            new_version = self.version
+        self.consumed[step] = {
+            "trained": [g.group.group_id for g in fresh],
+            "dropped": [g.group.group_id for g in stale],
+        }
+        await asyncio.to_thread(
+            save_checkpoint,
+            self.run_dir,
+            Checkpoint(step, new_version, self.learner.state_dict(), self.consumed, self.next_task),
+        )
+        await self.store.consume_groups(step, self.consumed[step]["trained"] + self.consumed[step]["dropped"])
+        self.step = step
+        if new_version != self.version:
+            await self.engine.update_weights(self.learner.weights(), new_version)
+            self.version = new_version
+            await self.store.publish_version(PolicyVersion(version=new_version, step=step))
+        self.dropped_total += len(stale)
+        counts = await self.store.counts()
+        wall = time.perf_counter() - t_start
+        return StepReport(
+            step=step,
+            version=self.version,
+            wall_s=wall,
+            groups=len(fresh),
+            dropped_stale=len(stale),
+            records=len(built.records),
+            reward_mean=sum(rewards) / max(1, n_rollouts),
+            success_rate=sum(1 for r in rewards if r > 0) / max(1, n_rollouts),
+            staleness_mean=sum(staleness) / max(1, len(staleness)),
+            staleness_max=max(staleness, default=0),
+            zero_variance_groups=built.zero_variance_groups,
+            queue_depth=int(counts.get("queued", 0)),
+            tokens_per_s=(self.engine.stats["tokens"] - tokens_before) / max(wall, 1e-9),
+            learner_s=learner_s,
+            wait_s=waited,
+            metrics=metrics,
+        )
+
+    def _batch(self, records: Sequence[Any]) -> TrainBatch:
+        pad = self.engine.tokenizer.pad_token_id
+        arrays = build_batch(records, pad_id=int(pad) if pad is not None else 0)
+        weight = torch.from_numpy(arrays["sample_weight"]).unsqueeze(1)
+        return TrainBatch(
+            input_ids=torch.from_numpy(arrays["input_ids"]),
+            attention_mask=torch.from_numpy(arrays["attention_mask"]),
+            loss_mask=torch.from_numpy(arrays["loss_mask"]),
+            logprobs=torch.from_numpy(arrays["old_logprobs"]),
+            advantages=torch.from_numpy(arrays["advantages"]) * weight,
+        )
+
+    async def train_steps(
+        self,
+        steps: int,
+        *,
+        deadline: float | None = None,
+        on_step: Callable[[StepReport], None] | None = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> list[StepReport]:
+        """Train until ``steps`` steps are done (counting resumed ones), ``deadline`` (perf_counter) or ``stop()``."""
+        if self.rollout_sampling:
+            self.engine.sampling_override = dict(self.rollout_sampling)
+
+        def done() -> bool:
+            return stop() or (deadline is not None and time.perf_counter() >= deadline)
+
+        reports: list[StepReport] = []
+        while self.step < steps and not done():
+            report = await self.train_step(done)
+            if report is None:
+                break
+            reports.append(report)
+            logger.info(
+                "step %d: reward %.3f, success %.1f%%, staleness %.2f, %d dropped, %.0f tok/s",
+                report.step,
+                report.reward_mean,
+                100 * report.success_rate,
+                report.staleness_mean,
+                report.dropped_stale,
+                report.tokens_per_s,
+            )
+            if on_step is not None:
+                on_step(report)
+        return reports

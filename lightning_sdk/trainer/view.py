@@ -1,0 +1,161 @@
+"""What the user sees: a live progress view (rich), metrics files (JSONL, TensorBoard) and the reward curve (PNG).
+
+``MetricsLog`` appends one JSON object per training step to ``RUN_DIR/metrics.jsonl`` and mirrors the numbers to
+TensorBoard (``RUN_DIR/tensorboard``) when it is installed. ``ProgressView`` draws the current phase and the last
+steps in a rich ``Live`` table on a terminal, and falls back to one plain line per step elsewhere (CI logs).
+``plot_reward_curve`` writes ``RUN_DIR/reward_curve.png`` (matplotlib, headless).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from lightning_sdk.trainer.daemon import StepReport
+
+__all__ = ["MetricsLog", "ProgressView", "plot_reward_curve"]
+
+logger = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard when available)."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb: Any = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                logger.info("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row, default=float) + "\n")
+        if self._tb is not None and "step" in row:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tb.add_scalar(key, value, int(row["step"]))
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+class ProgressView:
+    """A live table of the run: phase, step, reward, success, tokens/s, staleness, queue depth."""
+
+    def __init__(self, title: str, total_steps: int, *, console: Console | None = None) -> None:
+        self.title = title
+        self.total_steps = total_steps
+        self.console = console or Console(stderr=True)
+        self.phase = "starting"
+        self.rows: deque[StepReport] = deque(maxlen=8)
+        self.notes: list[str] = []
+        self._live: Live | None = None
+
+    def __enter__(self) -> ProgressView:
+        if self.console.is_terminal:
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(exc_type, exc, tb)
+            self._live = None
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self._refresh()
+        if self._live is None:
+            self.console.print(f"{self.title}: {phase}", markup=False)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        self._refresh()
+        if self._live is None:
+            self.console.print(f"{self.title}: {text}", markup=False)
+
+    def step(self, report: StepReport) -> None:
+        self.rows.append(report)
+        self._refresh()
+        if self._live is None:
+            r = report
+            self.console.print(
+                f"{self.title}: step {r.step}/{self.total_steps} v{r.version} reward {r.reward_mean:.3f} "
+                f"success {100 * r.success_rate:.1f}% {r.tokens_per_s:.0f} tok/s staleness {r.staleness_mean:.2f} "
+                f"dropped {r.dropped_stale} queue {r.queue_depth} ({r.wall_s:.1f} s)",
+                markup=False,
+                soft_wrap=True,
+            )
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def _render(self) -> Group:
+        table = Table(title=f"{self.title} — {self.phase}", expand=False)
+        for col in ("step", "version", "reward", "success", "tok/s", "staleness", "dropped", "queue", "loss", "s"):
+            table.add_column(col, justify="right")
+        for r in self.rows:
+            table.add_row(
+                f"{r.step}/{self.total_steps}",
+                str(r.version),
+                f"{r.reward_mean:.3f}",
+                f"{100 * r.success_rate:.1f}%",
+                f"{r.tokens_per_s:.0f}",
+                f"{r.staleness_mean:.2f}",
+                str(r.dropped_stale),
+                str(r.queue_depth),
+                f"{r.metrics.get('loss', 0.0):+.4f}",
+                f"{r.wall_s:.1f}",
+            )
+        return Group(table, *(Text(n) for n in self.notes[-6:]))
+
+
+def plot_reward_curve(
+    rows: list[dict[str, Any]], out: str | Path, *, before: float | None = None, after: float | None = None
+) -> Path | None:
+    """Reward and success per step (and the held-out success before/after as dashed lines) to a PNG."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (sampled)")
+    ax.plot(steps, [r["success_rate"] for r in rows], label="train success (sampled)", alpha=0.7)
+    if before is not None:
+        ax.axhline(before, linestyle="--", color="gray", label=f"held-out before {before:.0%}")
+    if after is not None:
+        ax.axhline(after, linestyle="--", color="green", label=f"held-out after {after:.0%}")
+    ax.set_xlabel("training step")
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

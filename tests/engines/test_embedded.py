@@ -1,0 +1,166 @@
+"""The embedded engine with a real (small, randomly initialised) Qwen3 and the project's real tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sdk.engines.base import Engine, Sampling
+from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.errors import EngineError
+from lightning_sdk.policy.model import load_policy
+from tests.trainer.tiny import build_small_policy
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_small_policy(tmp_path_factory.mktemp("policy") / "tiny")
+
+
+@pytest.fixture
+async def engine(policy_dir: Path):  # type: ignore[no-untyped-def]
+    eng = EmbeddedEngine.from_pretrained(policy_dir, max_batch_size=64)
+    yield eng
+    await eng.close()
+
+
+def _prompt(engine: EmbeddedEngine, question: str) -> list[int]:
+    out = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return [int(i) for i in out]
+
+
+def _reference_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[i, t]) for i, t in enumerate(completion)]
+
+
+async def test_implements_engine_protocol(engine: EmbeddedEngine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.policy_version == 0
+
+
+async def test_logprobs_equal_a_separate_forward_pass(engine: EmbeddedEngine, policy_dir: Path) -> None:
+    """Batched, left-padded, KV-cached sampling records the log-probs a plain forward pass gives."""
+    model, _ = load_policy(policy_dir)
+    prompts = [_prompt(engine, q) for q in ("What is 1 plus 2?", "Add 34 and 5.", "Multiply 7 by 8, please now.")]
+    for temperature in (1.0, 0.7, 0.0):
+        sampling = Sampling(max_tokens=12, temperature=temperature, seed=3)
+        gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+        for prompt, gen in zip(prompts, gens, strict=True):
+            assert len(gen.completion_ids) == len(gen.logprobs) > 0
+            ref = _reference_logprobs(model, prompt, gen.completion_ids, temperature)
+            assert gen.logprobs == pytest.approx(ref, abs=2e-4)
+
+
+async def test_concurrent_requests_share_batches(engine: EmbeddedEngine) -> None:
+    prompt = _prompt(engine, "What is 3 times 4?")
+    sampling = Sampling(max_tokens=8, temperature=1.0)
+    before = dict(engine.stats)
+    gens = await asyncio.gather(*(engine.generate(prompt, sampling.model_copy(update={"seed": i})) for i in range(24)))
+    assert len(gens) == 24
+    assert engine.stats["requests"] - before["requests"] == 24
+    assert engine.stats["batches"] - before["batches"] < 24  # requests joined batches
+    assert engine.stats["max_batch"] > 1
+
+
+async def test_seed_makes_sampling_deterministic(engine: EmbeddedEngine) -> None:
+    prompt = _prompt(engine, "Subtract 3 from 9.")
+    a = await engine.generate(prompt, Sampling(max_tokens=10, seed=11))
+    b, c = await asyncio.gather(
+        engine.generate(prompt, Sampling(max_tokens=10, seed=11)),
+        engine.generate(_prompt(engine, "Add 1 and 1."), Sampling(max_tokens=10, seed=11)),
+    )
+    assert a.completion_ids == b.completion_ids
+    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert c.completion_ids != a.completion_ids or c.logprobs != a.logprobs
+
+
+async def test_stops_on_max_tokens_eos_stop_ids_and_strings(engine: EmbeddedEngine) -> None:
+    prompt = _prompt(engine, "What is 5 plus 5?")
+    gen = await engine.generate(prompt, Sampling(max_tokens=4, temperature=1.0, seed=0))
+    assert gen.finish_reason == "length" and len(gen.completion_ids) == 4
+
+    # Greedy is deterministic: stop on whatever token greedy decoding emits third.
+    greedy = await engine.generate(prompt, Sampling(max_tokens=6, temperature=0.0))
+    third = greedy.completion_ids[2]
+    cut = await engine.generate(prompt, Sampling(max_tokens=6, temperature=0.0, stop_token_ids=[third]))
+    assert cut.finish_reason == "stop"
+    assert cut.completion_ids == greedy.completion_ids[: greedy.completion_ids.index(third) + 1]
+
+    text = engine.tokenizer.decode(greedy.completion_ids[:3])
+    stopped = await engine.generate(prompt, Sampling(max_tokens=6, temperature=0.0, stop=[text[-1]]))
+    assert stopped.finish_reason == "stop"
+    assert text[-1] in engine.tokenizer.decode(stopped.completion_ids)
+
+    # Force EOS by making it the only likely token.
+    eos = engine.tokenizer.eos_token_id
+    model = engine._model
+    with torch.no_grad():
+        bias = torch.full((model.config.vocab_size,), -30.0)
+        bias[eos] = 30.0
+        hook = model.lm_head.register_forward_hook(lambda m, i, o: o + bias)
+    try:
+        gen = await engine.generate(prompt, Sampling(max_tokens=6, temperature=1.0, seed=1))
+    finally:
+        hook.remove()
+    assert gen.completion_ids == [eos] and gen.finish_reason == "stop"
+
+
+async def test_stream_delivers_the_same_tokens(engine: EmbeddedEngine) -> None:
+    prompt = _prompt(engine, "Add 8 and 9.")
+    sampling = Sampling(max_tokens=7, seed=5)
+    whole = await engine.generate(prompt, sampling)
+    ids: list[int] = []
+    reasons = []
+    async for delta in engine.stream(prompt, sampling):
+        ids += delta.ids
+        reasons.append(delta.finish_reason)
+    assert ids == whole.completion_ids
+    assert reasons[-1] == whole.finish_reason and all(r is None for r in reasons[:-1])
+
+
+async def test_weight_swap_bumps_version_and_changes_outputs(engine: EmbeddedEngine) -> None:
+    prompt = _prompt(engine, "What is 2 times 2?")
+    sampling = Sampling(max_tokens=5, temperature=0.0)
+    before = await engine.generate(prompt, sampling)
+    assert before.policy_version == 0
+    state = {k: v.clone() for k, v in engine._model.state_dict().items()}
+    new = {k: (v + 0.5 * torch.randn_like(v) if v.dtype.is_floating_point else v) for k, v in state.items()}
+    await engine.update_weights(new, 7)
+    after = await engine.generate(prompt, sampling)
+    assert engine.policy_version == 7 and after.policy_version == 7
+    assert after.logprobs != before.logprobs
+    await engine.update_weights(state, 8)
+    again = await engine.generate(prompt, sampling)
+    assert again.completion_ids == before.completion_ids and again.policy_version == 8
+
+
+async def test_in_flight_batch_finishes_on_old_weights(engine: EmbeddedEngine) -> None:
+    """A weight swap waits for the running batch: that batch records the old version, the next the new one."""
+    prompt = _prompt(engine, "Add 2 and 2.")
+    long = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=40, temperature=1.0, seed=2)))
+    while engine.stats["tokens"] == 0 or not long.done() and engine._pending:
+        await asyncio.sleep(0.001)
+    state = {k: v.clone() for k, v in engine._model.state_dict().items()}
+    await engine.update_weights(state, 3)
+    first = await long
+    second = await engine.generate(prompt, Sampling(max_tokens=3, seed=2))
+    assert first.policy_version == 0
+    assert second.policy_version == 3
+
+
+async def test_closed_engine_refuses(policy_dir: Path) -> None:
+    eng = EmbeddedEngine.from_pretrained(policy_dir)
+    await eng.close()
+    with pytest.raises(EngineError):
+        await eng.generate([1, 2, 3], Sampling(max_tokens=2))

@@ -1,0 +1,43 @@
+"""A small real policy for tests: the project's own tokenizer builder and chat template, a Qwen3 of ~50k parameters.
+
+Built from the calc example's demonstrations, like the default policy, only smaller so tests stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
+from lightning_sdk.policy.tokenizer import build_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "calc_agent"
+
+
+@lru_cache(maxsize=1)
+def calc_tasks() -> ModuleType:
+    """The example's ``tasks`` module (imported by path, as the trainer does)."""
+    spec = importlib.util.spec_from_file_location("calc_tasks_for_tests", EXAMPLE / "tasks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["calc_tasks_for_tests"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def corpus(n: int = 300) -> list[str]:
+    tasks = calc_tasks()
+    bootstrap = build_tokenizer(["x"], vocab_size=300)
+    demos = [tasks.demonstration(t) for t in tasks.make_tasks(n, "train", seed=3)]
+    return [str(bootstrap.apply_chat_template(d["messages"], tools=d["tools"], tokenize=False)) for d in demos]
+
+
+def build_small_policy(out: Path, *, hidden: int = 32, layers: int = 2, seed: int = 0) -> Path:
+    config = TinyPolicyConfig(
+        vocab_size=400, hidden_size=hidden, num_layers=layers, num_heads=2, intermediate_size=64, seed=seed
+    )
+    return build_policy(out, corpus(), config)
