@@ -286,6 +286,7 @@ def verl_phase(model_dir: Path) -> dict:
     publish_s = asyncio.run(backend.publish(engine))
     after, _ = rollout(engine)
     asyncio.run(engine.close())
+    backend.shutdown()
     out = {"init_s": round(init_s, 2), "step_s": [round(s, 3) for s in step_s], "publish_s": round(publish_s, 3),
            "pg_loss": round(metrics.get("actor/pg_loss", float("nan")), 4),
            "grad_norm": round(metrics.get("grad_norm", float("nan")), 4),

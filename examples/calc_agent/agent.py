@@ -8,25 +8,41 @@ records the exact tokens the policy sampled.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import weakref
 from typing import Any
 
 import openai
-
-import lightning_sdk as ls
 from tasks import CALCULATOR_TOOL, evaluate, reward
 
+import lightning_sdk as ls
+
 MAX_TURNS = 3
+
+# One connection pool per event loop, shared by all attempts: building an OpenAI client costs ~50 ms of TLS setup
+# (even for http:// URLs), more than a whole episode of the tiny policy. ``with_options`` reuses the pool.
+_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, openai.AsyncOpenAI] = weakref.WeakKeyDictionary()
+
+
+def client_for(llm: ls.LLM) -> openai.AsyncOpenAI:
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    return _clients[loop].with_options(base_url=llm.base_url, api_key=llm.api_key)
 
 
 @ls.rollout(timeout=120)
 async def agent(task: dict[str, Any], llm: ls.LLM) -> float:
-    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    client = client_for(llm)
     messages: list[dict[str, Any]] = [{"role": "user", "content": task["question"]}]
     answer: str | None = None
     for _ in range(MAX_TURNS):
         response = await client.chat.completions.create(
-            model=llm.model, messages=messages, tools=[CALCULATOR_TOOL], max_tokens=64  # type: ignore[arg-type]
+            model=llm.model,
+            messages=messages,
+            tools=[CALCULATOR_TOOL],
+            max_tokens=64,  # type: ignore[arg-type]
         )
         message = response.choices[0].message
         if not message.tool_calls:
@@ -39,5 +55,4 @@ async def agent(task: dict[str, Any], llm: ls.LLM) -> float:
             except (json.JSONDecodeError, AttributeError):
                 expression = ""
             messages.append({"role": "tool", "tool_call_id": call.id, "content": evaluate(expression)})
-    await client.close()
     return reward(task, answer)

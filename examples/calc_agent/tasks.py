@@ -141,7 +141,6 @@ def write_all(out_dir: str | Path, *, n_train: int = 4000, n_heldout: int = 200,
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-
 # -- sources named by train.toml (called with no arguments) -----------------------------------------------------------
 def train_tasks() -> list[dict[str, Any]]:
     return make_tasks(4000, "train", seed=1)

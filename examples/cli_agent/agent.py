@@ -9,9 +9,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from grading import score  # noqa: E402
 
-from lightning_sdk.agent import CommandAgent  # noqa: E402
+import lightning_sdk as ls  # noqa: E402
 
-agent = CommandAgent(
+agent = ls.CommandAgent(
     [sys.executable, str(HERE / "solve.py"), "--question", "{task[question]}"],
     reward=score,
     timeout=120,

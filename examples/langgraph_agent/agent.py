@@ -2,7 +2,7 @@
 
 The agent is ordinary LangGraph code (``create_react_agent`` over a ``ChatOpenAI``); the only lightning_sdk parts
 are the ``@rollout`` decorator and building the chat model on the attempt's ``llm``. The reward compares the
-agent's last message with the task's answer (``reward.py``).
+agent's last message with the task's answer (``score``).
 
 Run it over the task set through a proxy (traces land in the proxy's store)::
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +28,26 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reward import score
-
-from lightning_sdk.agent import LLM, rollout
+import lightning_sdk as ls
 
 SYSTEM = (
     "You solve arithmetic word problems. Call the calculator with the arithmetic expression, "
     "then answer with the number only."
 )
 _EXPR = re.compile(r"[0-9(][0-9+\-*/(). ]*")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 UNITS = {"dozen": 12, "score": 20, "gross": 144, "week": 7, "hour": 60}
+
+
+def score(answer: str, expected: str) -> float:
+    """The reward: 1.0 when the last number in the agent's answer equals the expected one."""
+    numbers = _NUMBER.findall(answer.replace(",", ""))
+    if not numbers:
+        return 0.0
+    try:
+        return float(abs(float(numbers[-1]) - float(expected)) < 1e-6)
+    except ValueError:
+        return 0.0
 
 
 @tool
@@ -61,13 +69,13 @@ def unit_size(unit: str) -> str:
     return str(UNITS.get(unit.strip().lower(), "unknown unit"))
 
 
-def build_agent(llm: LLM) -> Any:
+def build_agent(llm: ls.LLM) -> Any:
     model = ChatOpenAI(base_url=llm.base_url, api_key=llm.api_key, model=llm.model, temperature=1.0)
     return create_react_agent(model, [calculator, unit_size])
 
 
-@rollout(timeout=120, max_attempts=2)
-def agent(task: dict[str, str], llm: LLM) -> float:
+@ls.rollout(timeout=120, max_attempts=2)
+def agent(task: dict[str, str], llm: ls.LLM) -> float:
     graph = build_agent(llm)
     out = graph.invoke(
         {"messages": [SystemMessage(SYSTEM), HumanMessage(task["question"])]},
@@ -83,7 +91,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tasks", default=str(Path(__file__).with_name("tasks.jsonl")))
     args = parser.parse_args()
-    llm = LLM(base_url=args.base_url, api_key=args.api_key, model=args.model)
+    llm = ls.LLM(base_url=args.base_url, api_key=args.api_key, model=args.model)
     tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
     rewards = [agent(t, llm) for t in tasks]
     print(f"mean reward {sum(rewards) / len(rewards):.3f} over {len(rewards)} tasks")

@@ -12,4 +12,4 @@ framework only when used (install the ``integrations`` extra, or just the framew
 * ``openai_agents`` — ``model_provider(llm)`` and ``run_config(llm)`` for the OpenAI Agents SDK.
 """
 
-__all__ = ["langchain", "litellm", "openai_agents", "tagging"]
+__all__: list[str] = []  # the modules are imported one by one (each pulls in its framework)

@@ -185,6 +185,10 @@ class WorkerPool:
                 logger.warning("claim failed (%s); retrying in %.1f s", exc, self.poll_s)
                 await self._wait(self.poll_s)
                 continue
+            if claim is not None and self._stopping:  # stop() came while the claim was on its way
+                result = await self._abandon(claim, time.monotonic())
+                self._record(result)
+                return
             if claim is None:
                 if drain and not self._inflight:
                     return
@@ -222,8 +226,8 @@ class WorkerPool:
                     logger.warning("attempt %s is no longer running on the server (%s); abandoning it", attempt_id, exc)
                     self._lost.add(attempt_id)
                     task.cancel()
-                except LightningSDKError as exc:
-                    logger.warning("heartbeat of %s failed (%s); will retry", attempt_id, exc)
+                except Exception as exc:  # keep beating for the others; the lease outlives a few misses
+                    logger.warning("heartbeat of %s failed (%r); will retry", attempt_id, exc)
 
     # -- one attempt ---------------------------------------------------------------------------------------------
     async def _run_one(self, claim: Claim) -> AttemptResult:

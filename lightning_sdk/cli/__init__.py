@@ -15,7 +15,7 @@ __all__ = ["app", "main"]
 
 def _register() -> None:
     # Imported for their side effect: each module adds its command to ``app``.
-    from lightning_sdk.cli import proxy_cmd, records_cmd, run_cmd  # noqa: F401
+    from lightning_sdk.cli import daemon_cmd, proxy_cmd, records_cmd, run_cmd, train_cmd  # noqa: F401
 
 
 def main() -> None:

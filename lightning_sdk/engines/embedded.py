@@ -59,7 +59,7 @@ class _Request:
         delta = GenerationDelta(
             ids=self.ids[self.sent :],
             logprobs=self.logprobs[self.sent :],
-            finish_reason=reason,  # type: ignore[arg-type]
+            finish_reason=reason,
             policy_version=version,
         )
         self.sent = len(self.ids)
@@ -82,7 +82,9 @@ class EmbeddedEngine:
         device: str | None = None,
     ) -> None:
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self._model = model.to(self._device).eval()
+        model.to(self._device)  # type: ignore[arg-type]
+        model.eval()  # type: ignore[no-untyped-call]
+        self._model = model
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
         self._version = policy_version
@@ -129,7 +131,7 @@ class EmbeddedEngine:
         return Generation(
             completion_ids=ids,
             logprobs=logprobs,
-            finish_reason=reason or "abort",  # type: ignore[arg-type]
+            finish_reason=reason or "abort",
             policy_version=version,
         )
 
@@ -162,7 +164,9 @@ class EmbeddedEngine:
             self._version = version
         logger.info("embedded engine now serves policy version %d", version)
 
-    async def _submit(self, input_ids: list[int], sampling: Sampling, *, streaming: bool) -> AsyncIterator[GenerationDelta]:
+    async def _submit(
+        self, input_ids: list[int], sampling: Sampling, *, streaming: bool
+    ) -> AsyncIterator[GenerationDelta]:
         if self._closed:
             raise EngineError("the engine is closed")
         if not input_ids:
@@ -204,7 +208,7 @@ class EmbeddedEngine:
                 with self._model_lock, torch.inference_mode():
                     version = self._version
                     self._decode(batch, version)
-            except Exception as exc:  # noqa: BLE001 - every waiting request must hear about the failure
+            except Exception as exc:  # every waiting request must hear about the failure
                 logger.exception("embedded generation failed")
                 for req in batch:
                     if req.finish_reason is None:
@@ -224,7 +228,9 @@ class EmbeddedEngine:
         ids, mask = ids.to(self._device), mask.to(self._device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = self._model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
         logits = out.logits[:, -1, :].float()
         rows = list(range(len(batch)))  # batch index of each live row of the cache
         next_pos = positions[:, -1] + 1

@@ -142,6 +142,7 @@ class RemoteEngine:
                 start_version = self._version
                 remaining = sampling.max_tokens - len(sent)
                 resume = False
+                finished = False
                 async for delta in self._stream_once(
                     idx, input_ids + sent, sampling.model_copy(update={"max_tokens": remaining})
                 ):
@@ -154,8 +155,11 @@ class RemoteEngine:
                             yield delta.model_copy(update={"finish_reason": None})
                         resume = True
                         break
+                    finished = delta.finish_reason is not None
                     yield delta
                 if not resume:
+                    if not finished:
+                        raise EngineError(f"the stream from {self.base_urls[idx]} ended without a finish reason")
                     return
                 logger.info("stream cut off by a weight update after %d tokens; resuming on %s", len(sent), idx)
         finally:

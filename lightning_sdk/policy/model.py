@@ -1,4 +1,4 @@
-"""The default policy model: a tiny Qwen2 built from a config, saved as a normal Hugging Face model directory.
+"""The default policy model: a tiny Qwen3 built from a config, saved as a normal Hugging Face model directory.
 
 No pretrained checkpoint can be downloaded here, so the embedded default is a ~3M-parameter ``Qwen3ForCausalLM``
 (hidden 256, 4 layers) over the domain tokenizer of ``lightning_sdk.policy.tokenizer``, warm-started by a short
@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.tokenizer import build_tokenizer, save_tokenizer
@@ -62,7 +69,7 @@ def build_policy(out_dir: str | Path, corpus: Iterable[str], config: TinyPolicyC
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen3ForCausalLM(qcfg)
+    model = Qwen3ForCausalLM(qcfg)  # type: ignore[no-untyped-call]
     path = Path(out_dir)
     save_tokenizer(tokenizer, path)
     model.save_pretrained(str(path))
@@ -80,5 +87,5 @@ def load_policy(model_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
     if tokenizer.chat_template is None:
         raise ConfigError(f"the tokenizer in {path} has no chat template")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer

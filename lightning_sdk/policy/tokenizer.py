@@ -26,6 +26,7 @@ __all__ = [
     "TOOL_TOKENS",
     "build_tokenizer",
     "chat_template",
+    "save_tokenizer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 480) -> PreTrain
     # Control tokens are special (skipped by decode(skip_special_tokens=True)); tool tokens stay visible.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,

@@ -35,6 +35,7 @@ class WarmStartConfig:
     batch_size: int = 32
     max_steps: int = 400
     eval_every: int = 10
+    eval_below_loss: float | None = 1.0  # evaluate only once the supervised loss is this low (the format is learnt)
     target_success: float = 0.2
     warmup_steps: int = 10
     grad_clip: float = 1.0
@@ -50,10 +51,10 @@ class WarmStartResult:
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any, gen: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(
+    out: Any = tokenizer.apply_chat_template(
         list(messages), tools=tools or None, add_generation_prompt=gen, tokenize=True, return_dict=False
     )
-    if isinstance(out, dict) or hasattr(out, "keys"):
+    if hasattr(out, "keys"):
         out = out["input_ids"]
     return [int(i) for i in out]
 
@@ -120,12 +121,13 @@ def warm_start(
         optimizer.step()
         scheduler.step()
         step += 1
-        if step % cfg.eval_every == 0:
-            model.eval()
+        loss_ok = cfg.eval_below_loss is None or float(out.loss.item()) <= cfg.eval_below_loss
+        if step % cfg.eval_every == 0 and loss_ok:
+            model.eval()  # type: ignore[no-untyped-call]
             success = evaluate(model)
             history.append((step, success))
             logger.info("warm start step %d: loss %.3f, success %.1f%%", step, out.loss.item(), 100 * success)
             if success >= cfg.target_success:
                 break
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     return WarmStartResult(steps=step, success=success, history=history, wall_s=time.perf_counter() - t0)

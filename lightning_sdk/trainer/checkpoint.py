@@ -31,7 +31,9 @@ class Checkpoint:
     step: int
     version: int
     learner: dict[str, Any]
-    consumed: dict[int, dict[str, list[str]]] = field(default_factory=dict)  # step -> {"trained": [...], "dropped": [...]}
+    consumed: dict[int, dict[str, list[str]]] = field(
+        default_factory=dict
+    )  # step -> {"trained": [...], "dropped": [...]}
     next_task: int = 0  # index of the next train task to enqueue
     extra: dict[str, Any] = field(default_factory=dict)
 

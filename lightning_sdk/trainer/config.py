@@ -64,6 +64,7 @@ class WarmStartSettings(_Section):
     batch_size: int = 32
     max_steps: int = 400
     eval_every: int = 10
+    eval_below_loss: float | None = 1.0
     target_success: float = 0.2
     validation_tasks: int = 64
 
@@ -130,7 +131,7 @@ def _read(path: Path) -> dict[str, Any]:
         if path.suffix == ".toml":
             return tomllib.loads(text)
         if path.suffix in (".yaml", ".yml"):
-            import yaml
+            import yaml  # type: ignore[import-untyped]
 
             data = yaml.safe_load(text)
             return data if isinstance(data, dict) else {}

@@ -200,9 +200,7 @@ class TrainerDaemon:
             return
         ks = range(self.next_task, self.next_task + want)
         tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
-        await self.store.enqueue(
-            tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks]
-        )
+        await self.store.enqueue(tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks])
         self.next_task += want
 
     # -- one step ------------------------------------------------------------------------------------------------

@@ -105,7 +105,8 @@ class Learner:
         )
         self.reference: PreTrainedModel | None = None
         if self.config.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval()
+            self.reference = copy.deepcopy(model)
+            self.reference.eval()  # type: ignore[no-untyped-call]
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.steps = 0
@@ -171,7 +172,7 @@ class Learner:
                 per_token = per_token + cfg.kl_coef * kl
                 totals["kl_ref"] += float((kl.detach() * mask).sum().item())
             loss = (per_token * mask).sum() / n_tokens
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             share = float(mask.sum().item()) / n_tokens
             totals["loss"] += float(loss.item())
             totals["entropy"] += float((entropy * mask).sum().item())

@@ -58,15 +58,16 @@ def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict
         raise ConfigError("the tiny default policy needs data.demonstrations to train its tokenizer and warm start")
     bootstrap = build_tokenizer(["x"], vocab_size=300)  # any tokenizer with the chat template renders the corpus
     corpus = [
-        str(bootstrap.apply_chat_template(d["messages"], tools=d.get("tools"), tokenize=False))
-        for d in demonstrations
+        str(bootstrap.apply_chat_template(d["messages"], tools=d.get("tools"), tokenize=False)) for d in demonstrations
     ]
     p = config.policy
     shape = TinyPolicyConfig(p.vocab_size, p.hidden_size, p.num_layers, p.num_heads, p.intermediate_size, seed=p.seed)
     return build_policy(out, corpus, shape)
 
 
-def build_daemon(config: TrainConfig, run_dir: Path, model_dir: Path, train_tasks: list[dict[str, Any]]) -> TrainerDaemon:
+def build_daemon(
+    config: TrainConfig, run_dir: Path, model_dir: Path, train_tasks: list[dict[str, Any]]
+) -> TrainerDaemon:
     """Store (SQLite in the run dir) + engine + learner + daemon for ``model_dir``."""
     rl = config.rl
     model, tokenizer = load_policy(model_dir)
@@ -122,7 +123,11 @@ async def _evaluate(
 
 
 async def _warm_start(
-    daemon: TrainerDaemon, agent: Agent, config: TrainConfig, demos: list[dict[str, Any]], val: list[dict[str, Any]],
+    daemon: TrainerDaemon,
+    agent: Agent,
+    config: TrainConfig,
+    demos: list[dict[str, Any]],
+    val: list[dict[str, Any]],
     note: Callable[[str], None],
 ) -> dict[str, Any]:
     """Supervised steps on the learner's model; every ``eval_every`` steps the engine gets the weights and the agent
@@ -147,7 +152,11 @@ async def _warm_start(
         return success
 
     cfg = WarmStartConfig(
-        lr=ws.lr, batch_size=ws.batch_size, max_steps=ws.max_steps, eval_every=ws.eval_every,
+        lr=ws.lr,
+        batch_size=ws.batch_size,
+        max_steps=ws.max_steps,
+        eval_every=ws.eval_every,
+        eval_below_loss=ws.eval_below_loss,
         target_success=ws.target_success,
     )
     model = daemon.learner.model
@@ -157,9 +166,7 @@ async def _warm_start(
     return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}
 
 
-async def run_training(
-    config: TrainConfig, run_dir: str | Path, *, view: ProgressView | None = None
-) -> dict[str, Any]:
+async def run_training(config: TrainConfig, run_dir: str | Path, *, view: ProgressView | None = None) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the summary written to ``RUN_DIR/summary.json``."""
     t_start = time.perf_counter()
     out = Path(run_dir)
@@ -233,7 +240,9 @@ async def run_training(
 
         if heldout:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (after)")
-            state["eval_after"] = await _evaluate(daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers)
+            state["eval_after"] = await _evaluate(
+                daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers
+            )
             note(f"held-out success after RL: {100 * state['eval_after']['success_rate']:.1f}%")
         model_out = out / "model"
         daemon.learner.model.save_pretrained(str(model_out))

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import lightning_sdk as ls
 import lightning_sdk.agent as la
 from lightning_sdk.agent._context import AttemptContext
 from lightning_sdk.errors import ConfigError
@@ -19,7 +20,14 @@ def _ctx() -> AttemptContext:
 
 
 def test_decorator_forms_keep_the_function() -> None:
-    @la.rollout
+    assert (ls.rollout, ls.LLM, ls.emit_reward, ls.CommandAgent) == (
+        la.rollout,
+        la.LLM,
+        la.emit_reward,
+        la.CommandAgent,
+    )
+
+    @ls.rollout
     def plain(task: dict[str, str], llm: la.LLM) -> float:
         """Docstring kept."""
         return 1.0

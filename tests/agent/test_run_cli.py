@@ -15,13 +15,8 @@ from lightning_sdk.types import RolloutStatus
 from tests.agent.stack import ADMIN_KEY, assert_calls_traced, threaded_proxy_stack
 
 ROOT = Path(__file__).resolve().parents[2]
-# The command as installed (``lightning-sdk``) is ``lightning_sdk.cli:main``; this launcher makes sure ``run`` is
-# registered whatever else the CLI package wires, and keeps ``run`` a sub-command.
-LAUNCH = (
-    "import sys; import lightning_sdk.cli.run_cmd; from lightning_sdk.cli._app import app\n"
-    "if app.registered_callback is None:\n    app.callback()(lambda: None)\n"
-    "app(prog_name='lightning-sdk')\n"
-)
+# ``lightning-sdk`` is ``lightning_sdk.cli:main``, which ``python -m lightning_sdk`` runs.
+CLI = [sys.executable, "-m", "lightning_sdk"]
 
 AGENT = """
 import lightning_sdk.agent as la
@@ -56,7 +51,7 @@ def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
     summary_file = tmp_path / "summary.json"
     with threaded_proxy_stack(tmp_path) as st:
         proc = subprocess.run(
-            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:agent", "--server", st.url,
+            [*CLI, "run", f"{tmp_path / 'my_agent.py'}:agent", "--server", st.url,
              "--workers", "3", "--tasks", str(tasks), "--admin-key", ADMIN_KEY, "--summary", str(summary_file)],
             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -74,7 +69,7 @@ def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
                 assert_calls_traced(st.server.call(st.store.get_rollout(a["rollout_id"])))
 
         bad = subprocess.run(
-            [sys.executable, "-c", LAUNCH, "run", "no_such_module:agent", "--server", st.url, "--admin-key", "k"],
+            [*CLI, "run", "no_such_module:agent", "--server", st.url, "--admin-key", "k"],
             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert bad.returncode == 2 and "cannot import 'no_such_module'" in bad.stderr
@@ -85,7 +80,7 @@ def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
     with threaded_proxy_stack(tmp_path) as st:
         st.server.call(st.store.enqueue([{"q": str(i)} for i in range(6)]))
         proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:slow", "--server", st.url,
+            [*CLI, "run", f"{tmp_path / 'my_agent.py'}:slow", "--server", st.url,
              "--workers", "2", "--admin-key", ADMIN_KEY, "--no-progress"],
             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
@@ -102,8 +97,12 @@ def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
         assert proc.returncode == 0, err
         counts = st.server.call(st.store.counts())
         assert counts.get("running", 0) == 0
-        assert counts.get("succeeded") == 2 and counts.get("queued") == 4, counts
-        assert "attempts=2" in err and "succeeded=2" in err
+        # the two claimed attempts: both finish, or (when SIGINT overtook the second claim's answer) one finishes
+        # and the other is released straight back to the queue; nothing is lost either way
+        done = counts.get("succeeded", 0)
+        assert done in (1, 2) and counts.get("queued") == 6 - done, (counts, err)
+        assert "attempts=2" in err and f"succeeded={done}" in err
+        assert done == 2 or "released=1" in err
         page, _ = st.server.call(st.store.list_rollouts(status=RolloutStatus.SUCCEEDED))
         for r in page:
             assert_calls_traced(st.server.call(st.store.get_rollout(r.rollout_id)))
@@ -115,7 +114,7 @@ def test_sigterm_releases_in_flight_attempts_after_the_grace_period(tmp_path: Pa
     with threaded_proxy_stack(tmp_path) as st:
         st.server.call(st.store.enqueue([{"q": str(i)} for i in range(3)], max_attempts=1))
         proc = subprocess.Popen(
-            [sys.executable, "-c", LAUNCH, "run", f"{tmp_path / 'my_agent.py'}:stuck", "--server", st.url,
+            [*CLI, "run", f"{tmp_path / 'my_agent.py'}:stuck", "--server", st.url,
              "--workers", "2", "--admin-key", ADMIN_KEY, "--no-progress", "--grace", "0.5"],
             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

@@ -34,7 +34,9 @@ def _prompt(engine: EmbeddedEngine, question: str) -> list[int]:
     return [int(i) for i in out]
 
 
-def _reference_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+def _reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> list[float]:
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
@@ -149,11 +151,14 @@ async def test_in_flight_batch_finishes_on_old_weights(engine: EmbeddedEngine) -
     """A weight swap waits for the running batch: that batch records the old version, the next the new one."""
     prompt = _prompt(engine, "Add 2 and 2.")
     long = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=40, temperature=1.0, seed=2)))
-    while engine.stats["tokens"] == 0 or not long.done() and engine._pending:
-        await asyncio.sleep(0.001)
+    tokens = engine.stats["tokens"]
+    while engine.stats["tokens"] == tokens:
+        await asyncio.sleep(0.0005)
+    in_flight = not long.done()
     state = {k: v.clone() for k, v in engine._model.state_dict().items()}
     await engine.update_weights(state, 3)
     first = await long
+    assert in_flight
     second = await engine.generate(prompt, Sampling(max_tokens=3, seed=2))
     assert first.policy_version == 0
     assert second.policy_version == 3

@@ -335,6 +335,36 @@ async def test_update_on_every_server_and_errors(tmp_path: Path) -> None:
     await gone.close()
 
 
+async def test_a_stream_cut_short_is_an_error() -> None:
+    """A server that closes the event stream before a finish reason (a crash mid-generation) raises EngineError."""
+
+    async def cut(request: Request) -> Response:
+        async def events() -> Any:
+            event = {
+                "text": None,
+                "output_ids": [7],
+                "meta_info": {
+                    "id": "x",
+                    "finish_reason": None,
+                    "weight_version": "0",
+                    "output_token_logprobs": [[-0.5, 7, None]],
+                },
+            }
+            yield b"data: " + orjson.dumps(event) + b"\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/generate", cut, methods=["POST"])])
+    async with serve_async(app) as srv:
+        engine = SGLangEngine(srv.url)
+        got: list[Any] = []
+        with pytest.raises(EngineError, match="ended without a finish reason"):
+            async for delta in engine.stream([1, 2], Sampling(max_tokens=4)):
+                got.append(delta)
+        await engine.close()
+    assert [d.ids for d in got] == [[7]]
+
+
 def test_launch_many_health_waits_routes_and_stops(tmp_path: Path) -> None:
     """Two real child processes (this file as a script) started by ``launch_many``; the client spreads attempts
     over them; ``running`` stops both."""

@@ -136,3 +136,41 @@ def test_kl_to_a_frozen_reference(tiny_model_dir: Path) -> None:
         torch.testing.assert_close(ref_lp[mask], data.batch["rollout_log_probs"][mask], atol=2e-4, rtol=1e-4)
     finally:
         backend.shutdown()
+
+
+def test_verl_learner_adapter_takes_the_daemons_train_batch(tis_backend: VerlBackend, tiny_model_dir: Path) -> None:
+    """The daemon's padded ``TrainBatch`` → rows → one verl step; ``weights()`` is a full HF state dict."""
+    from lightning_sdk.trainer.learner import TrainBatch
+    from lightning_sdk.trainer.verl.adapter import VerlLearner, rows_from_train_batch
+
+    rows = sample_rows(tiny_model_dir, seed=6)
+    width = max(len(r.input_ids) for r in rows) + 2
+
+    def col(key: str, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=dtype)
+        for i, r in enumerate(rows):
+            out[i, : len(r.input_ids)] = torch.tensor(getattr(r, key), dtype=dtype)
+        return out
+
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        attn[i, : len(r.input_ids)] = 1
+    batch = TrainBatch(
+        input_ids=col("input_ids", torch.long),
+        attention_mask=attn,
+        loss_mask=col("loss_mask", torch.long),
+        logprobs=col("logprobs", torch.float32),
+        advantages=col("advantages", torch.float32),
+    )
+    back = rows_from_train_batch(batch)
+    assert [(r.input_ids, r.loss_mask) for r in back] == [(r.input_ids, r.loss_mask) for r in rows]
+    learner = VerlLearner(tis_backend)
+    version = tis_backend.version
+    metrics = learner.step(batch)
+    assert learner.steps == 1 and tis_backend.version == version + 1 and metrics["grad_norm"] > 0
+    weights = learner.weights()
+    model, _ = load_policy(tiny_model_dir)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
+    state = learner.state_dict()
+    assert state["steps"] == 1 and state["policy_version"] == tis_backend.version

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_sdk.engines.base import Engine
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.trainer.verl.batch import records_to_dataproto
@@ -188,6 +190,11 @@ class VerlBackend:
         """One optimizer step on ``records`` (our ``Record`` objects or exported rows); bumps ``version``."""
         t0 = time.perf_counter()
         data = records_to_dataproto(records, pad_id=self.pad_id)
+        # a rollout split into several segments weighs as much as one that was not (Record.weight, as the
+        # embedded learner applies it)
+        weight = torch.tensor([float(w) for w in data.non_tensor_batch["weight"]], dtype=torch.float32)[:, None]
+        data.batch["advantages"] = data.batch["advantages"] * weight
+        data.batch["returns"] = data.batch["advantages"].clone()
         metrics = run_step(self.ranks, data, self.verl_config)
         self.version += 1
         metrics["step/seconds"] = time.perf_counter() - t0

@@ -1,0 +1,33 @@
+"""The embedded trainer: learner, policy losses, the async trainer daemon and ``lightning-sdk train``.
+
+- ``Learner`` / ``LearnerConfig`` / ``TrainBatch``: one PPO-clip/GRPO update per step on a local torch model.
+- ``get_policy_loss`` / ``register_policy_loss``: losses by name (``ppo_clip`` equals verl's vanilla loss).
+- ``TrainerDaemon``: store + proxy + embedded engine + learner in one asyncio process, exactly-once resume.
+- ``run_training`` / ``run_daemon``: what ``lightning-sdk train`` and ``lightning-sdk daemon`` run.
+
+See docs/training.md.
+"""
+
+from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from lightning_sdk.trainer.config import TrainConfig, load_train_config
+from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs
+from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names, register_policy_loss
+
+__all__ = [
+    "Checkpoint",
+    "Learner",
+    "LearnerConfig",
+    "LossSettings",
+    "StepReport",
+    "TrainBatch",
+    "TrainConfig",
+    "TrainerDaemon",
+    "get_policy_loss",
+    "load_checkpoint",
+    "load_train_config",
+    "policy_loss_names",
+    "register_policy_loss",
+    "save_checkpoint",
+    "token_logprobs",
+]

@@ -1,0 +1,150 @@
+"""The learner and its losses: verl's math, loss going down on a fixed batch, micro-batching, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.policy.model import load_policy
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs
+from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
+from tests.trainer.tiny import build_small_policy
+
+
+class _VerlActorConfig(SimpleNamespace):
+    """The four fields verl's vanilla loss reads from its ActorConfig (a dict-like ``get`` included)."""
+
+    def get(self, key: str, default: object = None) -> object:
+        return getattr(self, key, default)
+
+
+@pytest.mark.parametrize("clip", [(0.2, 0.2), (0.2, 0.28)])
+def test_ppo_clip_equals_verl_vanilla(clip: tuple[float, float]) -> None:
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 17)
+    old = -torch.rand(shape, generator=g) * 3
+    new = old + torch.randn(shape, generator=g) * 0.4  # ratios well outside the clip range too
+    adv = torch.randn(shape, generator=g)
+    mask = (torch.rand(shape, generator=g) > 0.3).float()
+    weights = torch.rand(shape, generator=g) * 2
+    low, high = clip
+    cfg = _VerlActorConfig(
+        clip_ratio=low, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=3.0, global_batch_info={}
+    )
+    verl_loss, verl_metrics = compute_policy_loss_vanilla(
+        old, new, adv, mask, loss_agg_mode="token-mean", config=cfg, rollout_is_weights=weights
+    )
+    per_token, metrics = get_policy_loss("ppo_clip")(old, new, adv, mask, LossSettings(low, high, 3.0))
+    ours = (per_token * weights * mask).sum() / mask.sum()
+    assert float(ours) == pytest.approx(float(verl_loss), rel=1e-6, abs=1e-7)
+    assert metrics["clip_frac"] == pytest.approx(verl_metrics["actor/pg_clipfrac"], abs=1e-6)
+    assert metrics["ppo_kl"] == pytest.approx(verl_metrics["actor/ppo_kl"], abs=1e-6)
+
+
+def test_unknown_loss_names_the_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="ppo_clip"):
+        get_policy_loss("nope")
+    assert "ppo_clip" in policy_loss_names()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_small_policy(tmp_path_factory.mktemp("policy") / "tiny", hidden=32, layers=2)
+
+
+def _batch(seed: int = 0, rows: int = 6, width: int = 24, vocab: int = 300) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (rows, width), generator=g)
+    attn = torch.ones(rows, width, dtype=torch.long)
+    for i in range(rows):  # ragged rows, right padded
+        n = width - 2 * i
+        attn[i, n:] = 0
+        ids[i, n:] = 0
+    loss_mask = torch.zeros(rows, width)
+    loss_mask[:, 10:] = 1
+    loss_mask *= attn
+    adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0).unsqueeze(1).expand(rows, width) * loss_mask
+    return TrainBatch(ids, attn, loss_mask, torch.zeros(rows, width), adv.clone())
+
+
+def _with_rollout_logprobs(model: torch.nn.Module, batch: TrainBatch) -> TrainBatch:
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    full = torch.zeros_like(batch.logprobs)
+    full[:, 1:] = lp * batch.loss_mask[:, 1:]
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, full, batch.advantages)
+
+
+def test_update_raises_the_likelihood_of_good_rows(policy_dir: Path) -> None:
+    model, _ = load_policy(policy_dir)
+    batch = _with_rollout_logprobs(model, _batch())
+    learner = Learner(model, LearnerConfig(lr=3e-3, warmup_steps=1))
+
+    def objective() -> float:
+        with torch.no_grad():
+            lp, _ = token_logprobs(learner.model, batch.input_ids, batch.attention_mask)
+        m = batch.loss_mask[:, 1:]
+        return float((lp * batch.advantages[:, 1:] * m).sum() / m.sum())
+
+    start = objective()
+    losses = [learner.step(_with_rollout_logprobs(learner.model, batch))["loss"] for _ in range(8)]
+    assert objective() > start + 0.05
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert learner.steps == 8
+
+
+def test_on_policy_importance_weights_are_one_and_off_policy_are_capped(policy_dir: Path) -> None:
+    model, _ = load_policy(policy_dir)
+    learner = Learner(model, LearnerConfig(lr=1e-4, tis_cap=2.0))
+    on = _with_rollout_logprobs(model, _batch(1))
+    assert learner.step(on)["is_weight"] == pytest.approx(1.0, abs=1e-4)
+    off = TrainBatch(on.input_ids, on.attention_mask, on.loss_mask, on.logprobs - 5.0 * on.loss_mask, on.advantages)
+    assert learner.step(off)["is_weight"] == pytest.approx(2.0, abs=1e-4)
+
+
+def test_micro_batches_give_the_same_update(policy_dir: Path) -> None:
+    model, _ = load_policy(policy_dir)
+    batch = _with_rollout_logprobs(model, _batch(2))
+    whole = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_tokens=10_000))
+    split = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_tokens=30))
+    a, b = whole.step(batch), split.step(batch)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    for (k, pa), (_, pb) in zip(whole.model.state_dict().items(), split.model.state_dict().items(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-6), k
+
+
+def test_kl_to_reference_is_reported(policy_dir: Path) -> None:
+    model, _ = load_policy(policy_dir)
+    learner = Learner(model, LearnerConfig(lr=1e-2, warmup_steps=1, kl_coef=0.1))
+    batch = _with_rollout_logprobs(model, _batch(3))
+    first = learner.step(batch)
+    second = learner.step(_with_rollout_logprobs(learner.model, batch))
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert second["kl_ref"] > 0.0
+
+
+def test_state_dict_round_trip_resumes_exactly(policy_dir: Path) -> None:
+    model, _ = load_policy(policy_dir)
+    a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=3))
+    a.step(_with_rollout_logprobs(a.model, _batch(4)))
+    b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=3))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    nxt = _with_rollout_logprobs(a.model, _batch(5))
+    ma, mb = a.step(nxt), b.step(nxt)
+    assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-7) and ma["lr"] == mb["lr"]
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_batch_shapes_are_checked() -> None:
+    b = _batch()
+    with pytest.raises(TrainerError, match="loss_mask"):
+        TrainBatch(b.input_ids, b.attention_mask, b.loss_mask[:, :-1], b.logprobs, b.advantages)

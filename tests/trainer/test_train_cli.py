@@ -1,0 +1,166 @@
+"""``lightning-sdk train`` end to end (small settings) and the daemon's exactly-once resume after SIGKILL.
+
+Both run the real command in a subprocess: SQLite store, proxy on a loopback port, embedded engine, the calc
+example's OpenAI-SDK agent in process, learner, checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sdk.trainer.checkpoint import load_checkpoint
+from tests.trainer.tiny import EXAMPLE, ROOT, build_small_policy
+
+CLI = (
+    "import sys; from lightning_sdk.cli._app import app; "
+    "import lightning_sdk.cli.train_cmd, lightning_sdk.cli.daemon_cmd; sys.exit(app())"
+)
+
+
+def _write_config(path: Path, model: str, **sections: dict[str, object]) -> Path:
+    lines = [
+        f'agent = "{EXAMPLE / "agent.py"}:agent"',
+        "threads = 1",
+        "[data]",
+        f'train = "{EXAMPLE / "tasks.py"}:train_tasks"',
+        f'heldout = "{EXAMPLE / "tasks.py"}:heldout_tasks"',
+        f'demonstrations = "{EXAMPLE / "tasks.py"}:demonstrations"',
+        f'validation = "{EXAMPLE / "tasks.py"}:validation_tasks"',
+        "[policy]",
+        f'model = "{model}"',
+    ]
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _train(config: Path, out: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(
+        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
+        cwd=str(ROOT),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_small_policy(tmp_path_factory.mktemp("policy") / "tiny", hidden=32, layers=2)
+
+
+def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path) -> None:
+    config = _write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={
+            "enabled": True,
+            "max_steps": 4,
+            "eval_every": 2,
+            "eval_below_loss": 100.0,
+            "target_success": 1.0,
+            "batch_size": 8,
+            "validation_tasks": 8,
+        },
+        rl={"steps": 3, "tasks_per_step": 4, "samples_per_task": 2, "workers": 8, "max_tokens": 24},
+        eval={"n": 12, "max_tokens": 24, "workers": 12},
+    )
+    out = tmp_path / "run"
+    proc = _train(config, out)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout.decode()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("eval_before", "eval_after"):
+        assert set(summary[key]) >= {"success_rate", "mean_reward", "n"}
+        assert summary[key]["n"] == 12
+        assert 0.0 <= summary[key]["success_rate"] <= 1.0
+    assert summary["steps"] == 3
+    assert summary["wall_s"] > 0
+    assert summary["eval_sampling"] == {"temperature": 0.0, "max_tokens": 24}
+    assert summary["warm_start"]["steps"] == 4
+    model_dir = Path(summary["model_dir"])
+    assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["groups"] == 4 for r in rows)
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    assert "held-out success" in stdout.decode()
+
+
+def _consumed_in_store(db: Path) -> dict[str, int]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT group_id, consumed_step FROM groups WHERE split = 'train' AND consumed_step IS NOT NULL"
+        ).fetchall()
+    return {gid: int(step) for gid, step in rows}
+
+
+def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_path: Path, small_policy: Path) -> None:
+    steps, per_step = 8, 4
+    config = _write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={"enabled": False},
+        rl={
+            "steps": steps,
+            "tasks_per_step": per_step,
+            "samples_per_task": 2,
+            "workers": 8,
+            "max_tokens": 16,
+            "drop_zero_variance": False,
+            "max_staleness": 1,
+            "max_wall_s": 1000,
+        },
+        eval={"enabled": False},
+    )
+    out = tmp_path / "run"
+    proc = _train(config, out)
+    deadline = time.monotonic() + 180
+    killed_at = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        ckpt = load_checkpoint(out) if (out / "checkpoint.pt").exists() else None
+        if ckpt is not None and ckpt.step >= 3:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed_at = load_checkpoint(out)
+            break
+        time.sleep(0.05)
+    assert killed_at is not None and 3 <= killed_at.step < steps, "the run ended before it could be killed"
+    before_restart = _consumed_in_store(out / "store.db")
+
+    proc = _train(config, out)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout.decode()[-3000:]
+
+    final = load_checkpoint(out)
+    assert final is not None and final.step == steps
+    # Steps checkpointed before the kill kept their groups: nothing was retrained after the restart.
+    for step in range(1, killed_at.step + 1):
+        assert final.consumed[step] == killed_at.consumed[step]
+    # Each step trained its own groups; no group in two steps.
+    trained = [gid for s in range(1, steps + 1) for gid in final.consumed[s]["trained"]]
+    assert all(len(final.consumed[s]["trained"]) == per_step for s in range(1, steps + 1))
+    every = trained + [gid for s in final.consumed.values() for gid in s["dropped"]]
+    assert len(every) == len(set(every))
+    # The store agrees with the checkpoint exactly: every group it marks consumed was trained (or dropped as
+    # stale) by that very step, and every checkpointed group is marked: none lost, none twice.
+    store = _consumed_in_store(out / "store.db")
+    assert store == {gid: s for s, entry in final.consumed.items() for gid in entry["trained"] + entry["dropped"]}
+    assert all(store[gid] == step for gid, step in before_restart.items())
+    assert final.version == steps  # one weight publication per step
+    weights = torch.load(out / "checkpoint.pt", weights_only=False)["learner"]["steps"]
+    assert weights == steps
