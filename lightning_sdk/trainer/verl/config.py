@@ -16,7 +16,6 @@ Rollout correction (the engine's sampling policy differs from the trainer's, by 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,11 +61,14 @@ class VerlConfig(BaseModel):
 
 
 def _compose_defaults(model_dir: str) -> Any:
+    import importlib.util
+
     from hydra import compose, initialize_config_dir
 
-    import verl
-
-    config_dir = str(Path(os.path.dirname(verl.__file__)) / "trainer" / "config")
+    spec = importlib.util.find_spec("verl")
+    if spec is None or spec.origin is None:
+        raise ConfigError("backend: verl needs verl installed: pip install 'lightning-rl-sdk[verl]'")
+    config_dir = str(Path(spec.origin).parent / "trainer" / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={model_dir}"])
 
