@@ -60,7 +60,8 @@ TokenSource = Literal["engine", "rendered", "retokenized", "external"]
 - ``engine``: prompt and completion ids are exactly what the engine consumed and sampled (token-in/token-out, or an
   engine that returns ids such as vLLM ``return_token_ids``).
 - ``rendered``: the proxy rendered the prompt ids itself; completion ids came from the engine.
-- ``retokenized``: the engine returned text only; prompt rendered and reply encoded by the proxy (trained only on opt-in).
+- ``retokenized``: the engine returned text only; prompt rendered and reply encoded by the proxy
+  (trained only on opt-in).
 - ``external``: a model that is not the policy (judge, teacher, hosted provider): text and usage only, never trained.
 """
 
@@ -79,7 +80,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
-class RolloutStatus(str, enum.Enum):
+class RolloutStatus(enum.StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -87,7 +88,7 @@ class RolloutStatus(str, enum.Enum):
     CANCELLED = "cancelled"
 
 
-class AttemptStatus(str, enum.Enum):
+class AttemptStatus(enum.StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

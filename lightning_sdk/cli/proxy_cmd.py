@@ -23,10 +23,9 @@ import typer
 
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.store import ADMIN_KEY_ENV
 
 __all__ = ["proxy"]
-
-ADMIN_KEY_ENV = "LIGHTNING_SDK_ADMIN_KEY"
 
 
 def _fail(message: str) -> typer.Exit:

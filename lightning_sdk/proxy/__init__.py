@@ -5,7 +5,7 @@ OpenAI-compatible engine; ``ExternalRoute`` routes other model names to provider
 runs it with uvicorn. See docs/proxy.md.
 """
 
-from lightning_sdk.proxy.app import Proxy, ProxyConfig, create_app
+from lightning_sdk.proxy.app import Proxy, ProxyApp, ProxyConfig, create_app
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.external import ExternalBackend, ExternalRoute
 from lightning_sdk.proxy.passthrough import PassthroughBackend, PassthroughConfig
@@ -21,6 +21,7 @@ __all__ = [
     "PassthroughConfig",
     "PolicyBackend",
     "Proxy",
+    "ProxyApp",
     "ProxyConfig",
     "Recorder",
     "StreamItem",

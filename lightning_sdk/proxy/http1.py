@@ -66,8 +66,7 @@ class _Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
@@ -248,12 +247,13 @@ class Http1Pool:
 
     async def _connect(self) -> _Conn:
         try:
-            _, conn = await asyncio.wait_for(
+            transport, conn = await asyncio.wait_for(
                 self.loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl),
                 self.connect_timeout,
             )
         except (OSError, TimeoutError) as exc:
             raise Http1ConnectError(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from exc
+        conn.transport = transport  # uvloop may call connection_made only after create_connection returns
         return conn
 
     def _encode(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
@@ -301,4 +301,3 @@ class Http1Pool:
 
     def __repr__(self) -> str:
         return f"Http1Pool({self.host}:{self.port}{self.prefix}, idle={len(self._idle)})"
-

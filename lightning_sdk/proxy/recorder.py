@@ -2,13 +2,14 @@
 
 Request handlers ``await recorder.add_call(call)``: that only puts the call on a bounded queue (it waits when
 ``max_pending`` items are already waiting — back-pressure instead of unbounded memory when the store is slow). One
-background task takes everything queued (up to ``max_batch``), commits it with one ``record_calls`` and one
-``record_rewards``, and moves the committed mark forward. ``flush(attempt_id)`` is the durability barrier of
-``finish``: it returns once every call and reward queued for that attempt before it was called is committed, and
-raises ``StoreError`` if one of them could not be written.
+background task takes what is queued (lingering ``linger_s`` for more to arrive, up to ``max_batch``), commits it
+with one ``record_calls`` and one ``record_rewards``, and counts it done per attempt. ``flush(attempt_id)`` is the
+durability barrier of ``finish``: it skips the linger, returns once every call and reward queued for that attempt
+before it was called is committed, and raises ``StoreError`` if one of them could not be written. ``drain()``
+does the same for everything queued.
 
-A failing batch is retried with backoff; if it keeps failing, its items are written one by one so that one bad item
-(say, a call for an attempt the store no longer knows) does not lose the others.
+A failing batch is retried with backoff while the store says it is unavailable; otherwise its items are written
+one by one so that one bad item (say, a call for an attempt the store does not know) does not lose the others.
 """
 
 from __future__ import annotations

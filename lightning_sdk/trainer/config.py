@@ -89,7 +89,6 @@ class RLConfig(_Section):
     max_tokens: int = 64
     workers: int = 64
     max_wall_s: float | None = 420.0  # stop RL once the whole run has taken this long (evaluations excluded after)
-    checkpoint_every: int = 1
     seed: int = 0
 
 
@@ -115,6 +114,7 @@ class TrainConfig(_Section):
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     threads: int | None = None  # torch intra-op threads (default: torch's choice)
+    metrics: list[str] = Field(default_factory=list)  # extra metrics backends: "wandb", "mlflow"
 
     def resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""

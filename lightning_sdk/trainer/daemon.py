@@ -17,7 +17,8 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
    versions ago (its oldest call) is dropped (consumed without training, counted);
 2. build records (merge, advantages: GRPO by default) and a padded batch; one learner update in a thread;
 3. write the checkpoint (weights, optimizer, step, the step's groups), then ``consume_groups(step, ...)``, then
-   swap the weights into the engine and publish the version. See ``checkpoint.py`` for why this order makes a
+   publish the version and hand the weights to the engine (swapped in as soon as its running batch ends; the
+   learner does not wait for that). See ``checkpoint.py`` for why this order makes a
    killed daemon resume with no group trained twice and none lost.
 
 The daemon also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
@@ -142,6 +143,8 @@ class TrainerDaemon:
         self.learner_busy_s = 0.0
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
+        self._next_weights: tuple[dict[str, torch.Tensor], int] | None = None
+        self._publisher: asyncio.Task[None] | None = None
 
     @property
     def url(self) -> str:
@@ -170,6 +173,7 @@ class TrainerDaemon:
         return self.url
 
     async def stop(self) -> None:
+        await self.flush_weights()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError):
@@ -258,8 +262,8 @@ class TrainerDaemon:
         await self.store.consume_groups(step, self.consumed[step]["trained"] + self.consumed[step]["dropped"])
         self.step = step
         if new_version != self.version:
-            await self.engine.update_weights(self.learner.weights(), new_version)
             self.version = new_version
+            self._publish(self.learner.weights(), new_version)
             await self.store.publish_version(PolicyVersion(version=new_version, step=step))
         self.dropped_total += len(stale)
         counts = await self.store.counts()
@@ -282,6 +286,24 @@ class TrainerDaemon:
             wait_s=waited,
             metrics=metrics,
         )
+
+    def _publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Hand new weights to the engine without waiting: the swap waits for the engine's running batch, and the
+        learner should not. Only the newest pending weights are swapped in."""
+        self._next_weights = (weights, version)
+        if self._publisher is None or self._publisher.done():
+            self._publisher = asyncio.create_task(self._publish_loop())
+
+    async def _publish_loop(self) -> None:
+        while self._next_weights is not None:
+            weights, version = self._next_weights
+            self._next_weights = None
+            await self.engine.update_weights(weights, version)
+
+    async def flush_weights(self) -> None:
+        """Wait until the engine serves the latest published weights."""
+        if self._publisher is not None:
+            await self._publisher
 
     def _batch(self, records: Sequence[Any]) -> TrainBatch:
         pad = self.engine.tokenizer.pad_token_id

@@ -190,7 +190,7 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
     await daemon.start()
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
-    metrics = MetricsLog(out)
+    metrics = MetricsLog(out, backends=config.metrics, name=config.name)
     eval_sampling = {"temperature": config.eval.temperature, "max_tokens": config.eval.max_tokens}
     state_path = out / "state.json"
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -234,6 +234,7 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
             pool.stop(release=True)
             await pool_task
             await pool.close()
+        await daemon.flush_weights()
         rl_wall = time.perf_counter() - t_rl
         busy = daemon.learner_busy_s
         state["rl"] = {"steps": daemon.step, "wall_s": round(rl_wall, 2), "learner_busy_s": round(busy, 2)}
@@ -313,7 +314,7 @@ async def run_daemon(
         daemon.admin_key = admin_key
     await daemon.start()
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
-    metrics = MetricsLog(out)
+    metrics = MetricsLog(out, backends=config.metrics, name=config.name)
     try:
         if not resumed and config.warm_start.enabled and demos:
             agent = load_agent(config.resolve(config.agent))

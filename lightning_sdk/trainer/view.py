@@ -1,16 +1,19 @@
 """What the user sees: a live progress view (rich), metrics files (JSONL, TensorBoard) and the reward curve (PNG).
 
 ``MetricsLog`` appends one JSON object per training step to ``RUN_DIR/metrics.jsonl`` and mirrors the numbers to
-TensorBoard (``RUN_DIR/tensorboard``) when it is installed. ``ProgressView`` draws the current phase and the last
+TensorBoard (``RUN_DIR/tensorboard``) when it is installed, and to W&B / MLflow when asked for
+(``metrics = ["wandb"]`` in the config). ``ProgressView`` draws the current phase and the last
 steps in a rich ``Live`` table on a terminal, and falls back to one plain line per step elsewhere (CI logs).
 ``plot_reward_curve`` writes ``RUN_DIR/reward_curve.png`` (matplotlib, headless).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -20,6 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.daemon import StepReport
 
 __all__ = ["MetricsLog", "ProgressView", "plot_reward_curve"]
@@ -30,10 +34,22 @@ logger = logging.getLogger(__name__)
 class MetricsLog:
     """metrics.jsonl (+ TensorBoard when available)."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(
+        self, run_dir: str | Path, *, tensorboard: bool = True, backends: Sequence[str] = (), name: str = "run"
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb: Any = None
+        self._wandb: Any = None
+        self._mlflow: Any = None
+        for backend in backends:
+            if backend == "wandb":
+                self._wandb = _require("wandb").init(project="lightning-sdk", name=name, dir=str(run_dir))
+            elif backend == "mlflow":
+                self._mlflow = _require("mlflow")
+                self._mlflow.start_run(run_name=name)
+            else:
+                raise ConfigError(f"unknown metrics backend {backend!r}; valid: wandb, mlflow")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -50,10 +66,28 @@ class MetricsLog:
                 if isinstance(value, (int, float)) and key != "step":
                     self._tb.add_scalar(key, value, int(row["step"]))
             self._tb.flush()
+        numbers = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=int(row.get("step", 0)))
+        if self._mlflow is not None:
+            self._mlflow.log_metrics(numbers, step=int(row.get("step", 0)))
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+
+
+def _require(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(
+            f"metrics backend {module!r} was asked for but is not installed: pip install {module}"
+        ) from exc
 
 
 class ProgressView:
@@ -144,12 +178,19 @@ def plot_reward_curve(
 
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (sampled)")
-    ax.plot(steps, [r["success_rate"] for r in rows], label="train success (sampled)", alpha=0.7)
+    rewards = [float(r["reward_mean"]) for r in rows]
+    window = 5
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
+    ax.plot(steps, rewards, label="train reward (sampled)", alpha=0.35)
+    ax.plot(steps, smooth, label=f"train reward, mean of {window} steps")
+    ax.plot(steps, [r["success_rate"] for r in rows], label="train success (sampled)", alpha=0.35, linestyle=":")
     if before is not None:
-        ax.axhline(before, linestyle="--", color="gray", label=f"held-out before {before:.0%}")
+        ax.axhline(before, linestyle="--", color="gray", label=f"held-out before {before:.1%}")
     if after is not None:
-        ax.axhline(after, linestyle="--", color="green", label=f"held-out after {after:.0%}")
+        ax.axhline(after, linestyle="--", color="green", label=f"held-out after {after:.1%}")
     ax.set_xlabel("training step")
     ax.set_ylim(0, 1.05)
     ax.legend(loc="lower right")

@@ -220,3 +220,16 @@ def test_agent_hang_up_mid_stream_cancels_the_upstream_stream(px: ProxyHandle, m
 def test_unknown_route_and_method_are_openai_shaped(px: ProxyHandle) -> None:
     assert _error(px.http.get("/v2/nothing"), 404)["type"] == "not_found_error"
     assert px.http.get("/v1/chat/completions").status_code == 405
+
+
+def test_policy_model_names_and_upstream_rename(upstream: RunningServer, mock: MockOpenAI, tmp_path: Path) -> None:
+    config = ProxyConfig(policy_models=["policy"])
+    with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", config=config, model="served/model") as px:
+        s = px.session()
+        err = _error(_post(px, s["token"], {**CHAT, "model": "gpt-unknown"}), 404)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+        assert _post(px, s["token"], CHAT).status_code == 200
+        assert mock.requests[-1]["model"] == "served/model"  # what the engine serves
+        [call] = px.calls(s["rollout_id"])
+        assert call["model"] == "policy"  # what the agent asked for
+        assert [m["id"] for m in px.http.get("/v1/models").json()["data"]] == ["policy"]

@@ -17,6 +17,12 @@ from tests.support.servers import RunningServer, run_server
 
 JUDGE_SAYS = "The answer is correct."
 
+# LiteLLM starts a logging worker bound to the proxy thread's event loop; at teardown that loop is closed under it.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore:Item .* is using the `ReadOnly` qualifier:UserWarning"),
+]
+
 
 @pytest.fixture
 def provider() -> MockOpenAI:

@@ -164,3 +164,64 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_pa
     assert final.version == steps  # one weight publication per step
     weights = torch.load(out / "checkpoint.pt", weights_only=False)["learner"]["steps"]
     assert weights == steps
+
+
+async def test_daemon_serves_external_workers(tmp_path: Path, small_policy: Path) -> None:
+    """``lightning-sdk daemon`` prints its URL and admin key; workers elsewhere (here: this process, over HTTP)
+    claim its tasks through the store API and the daemon trains on what they finish."""
+    import asyncio
+
+    from lightning_sdk.agent import WorkerPool, load_agent
+    from lightning_sdk.store import open_store
+
+    steps = 2
+    config = _write_config(
+        tmp_path / "daemon.toml",
+        str(small_policy),
+        warm_start={"enabled": False},
+        rl={"steps": steps, "tasks_per_step": 2, "samples_per_task": 2, "max_tokens": 16, "drop_zero_variance": False},
+        eval={"enabled": False},
+    )
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CLI,
+        "daemon",
+        "--config",
+        str(config),
+        "--output",
+        str(out),
+        cwd=str(ROOT),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    url = key = None
+    lines: list[str] = []
+    while url is None or key is None:
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=120)).decode()
+        assert line, "".join(lines)
+        lines.append(line)
+        if line.startswith("trainer daemon ready: "):
+            url = line.split(": ", 1)[1].strip()
+        elif line.startswith("admin key: "):
+            key = line.split(": ", 1)[1].strip()
+    store = open_store(url + "/lightning/v1/store", admin_key=key)
+    agent = load_agent(f"{EXAMPLE / 'agent.py'}:agent")
+    pool = WorkerPool(agent, store, url, n_workers=4, split="train", poll_s=0.05)
+    worker = asyncio.create_task(pool.run_until(lambda: proc.returncode is not None))
+    rest = await asyncio.wait_for(proc.stdout.read(), timeout=180)
+    await proc.wait()
+    pool.stop(release=True)
+    await worker
+    await pool.close()
+    await store.close()
+    assert proc.returncode == 0, "".join(lines) + rest.decode()
+    ckpt = load_checkpoint(out)
+    assert ckpt is not None and ckpt.step == steps and ckpt.version == steps
+    assert all(len(ckpt.consumed[s]["trained"]) == 2 for s in range(1, steps + 1))
+    assert (out / "model" / "config.json").exists()
+    assert pool.stats.count("succeeded") >= steps * 2 * 2
