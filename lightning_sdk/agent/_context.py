@@ -168,7 +168,9 @@ def emit_reward(value: float, name: str | None = None, call_id: str | None = Non
     """Give the current attempt a reward: final (``call_id=None``) or for one call (its ``call_id``).
 
     Works from the agent function, threads it starts and asyncio tasks it creates. Outside training (the agent run
-    as plain code) nothing is recorded. The value must be a finite number.
+    as plain code) nothing is recorded. The value must be a finite number. A call's id is the
+    ``X-Lightning-Call-Id`` header of its response (openai: ``client.chat.completions.with_raw_response.create(...)
+    .headers["x-lightning-call-id"]``); an id that is not a call of this attempt is refused by the proxy (400).
     """
     try:
         v = float(value)

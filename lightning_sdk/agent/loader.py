@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,9 @@ def _load_object(spec: str, base_dir: Path | None = None) -> Agent:
                 raise ConfigError(f"agent {spec!r}: no file {path}")
             obj: Any = _import_path(path)
         else:
+            # like uvicorn and python -m: a module in the current folder is importable by name
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
             obj = importlib.import_module(module_part)
         for part in attr.split("."):
             obj = getattr(obj, part)

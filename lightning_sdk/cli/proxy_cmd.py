@@ -4,10 +4,16 @@
 
     lightning-sdk proxy --upstream http://127.0.0.1:8000/v1 --store traces.db [--host 127.0.0.1] [--port 4700]
                         [--admin-key KEY] [--policy-model NAME] [--upstream-model NAME] [--max-body-bytes N]
+                        [--tokenizer DIR]
 
 Agents point ``base_url`` at ``http://HOST:PORT/v1`` with an attempt token as their API key (open one with
 ``POST /lightning/v1/sessions`` and the admin key). The admin key comes from ``--admin-key``, else
 ``$LIGHTNING_SDK_ADMIN_KEY``, else a new one is generated and printed.
+
+``--tokenizer DIR`` (the policy's Hugging Face tokenizer directory, with its chat template) is the fallback for an
+upstream that answers with text only (no ``return_token_ids``): such calls get their ids rebuilt with the policy
+template and recorded with ``token_source="retokenized"`` and the retokenization checks (never silently). Without
+it, such calls are recorded with empty ids and ``checks["missing_token_ids"]``.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlparse
 
 import typer
@@ -24,6 +30,9 @@ import typer
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.store import ADMIN_KEY_ENV
+
+if TYPE_CHECKING:
+    from lightning_sdk.tokens import ChatRenderer
 
 __all__ = ["proxy"]
 
@@ -62,6 +71,19 @@ def _check_port(host: str, port: int) -> None:
             raise _fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def _load_renderer(path: str) -> ChatRenderer:
+    """The policy's tokenizer + chat template from ``--tokenizer`` (clear errors, no traceback)."""
+    from lightning_sdk.tokens import ChatRenderer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise _fail(f"--tokenizer {path}: not a directory (expected a Hugging Face tokenizer folder)")
+    try:
+        return ChatRenderer.from_pretrained(folder)
+    except LightningSDKError as exc:
+        raise _fail(f"--tokenizer {path}: {exc}") from None
+
+
 @app.command("proxy")
 def proxy(
     upstream: Annotated[str, typer.Option(help="Base URL of the OpenAI-compatible server, ending in /v1.")],
@@ -87,9 +109,22 @@ def proxy(
     ] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the upstream's next bytes (504 after).")] = 600.0,
     retries: Annotated[int, typer.Option(help="Retries on connection errors, 429 and 5xx (then 502).")] = 3,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="The policy's HF tokenizer dir (with chat template): rebuild ids of text-only replies (retokenized)."
+        ),
+    ] = None,
 ) -> None:
     """Trace an OpenAI-compatible server: every call through the proxy is recorded in the store."""
-    from lightning_sdk.proxy import PassthroughBackend, PassthroughConfig, ProxyConfig, create_app, serve
+    from lightning_sdk.proxy import (
+        PassthroughBackend,
+        PassthroughConfig,
+        PolicyBackend,
+        ProxyConfig,
+        create_app,
+        serve,
+    )
     from lightning_sdk.store import open_store
 
     if max_body_bytes < 1024:
@@ -97,6 +132,7 @@ def proxy(
     if retries < 0 or timeout <= 0:
         raise _fail("--retries must be >= 0 and --timeout > 0")
     key = upstream_api_key or os.environ.get("OPENAI_API_KEY") or None
+    renderer = _load_renderer(tokenizer) if tokenizer is not None else None
     _check_upstream(upstream, key)
     _check_port(host, port)
     admin = admin_key or os.environ.get(ADMIN_KEY_ENV)
@@ -111,7 +147,7 @@ def proxy(
         the_store = open_store(store, admin_key=admin)
     except LightningSDKError as exc:
         raise _fail(f"--store {store}: {exc}") from None
-    backend = PassthroughBackend(
+    backend: PolicyBackend = PassthroughBackend(
         PassthroughConfig(
             upstream=upstream,
             api_key=key,
@@ -122,9 +158,14 @@ def proxy(
             timeout_s=timeout,
         )
     )
+    if renderer is not None:
+        from lightning_sdk.proxy.token_mode import RetokenizingBackend
+
+        backend = RetokenizingBackend(backend, renderer)
     config = ProxyConfig(policy_models=policy_model or None, max_body_bytes=max_body_bytes)
     application = create_app(the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True)
-    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {upstream} (store: {store})")
+    retok = f", retokenizing text-only replies with {tokenizer}" if renderer is not None else ""
+    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {upstream} (store: {store}){retok}")
     typer.echo(
         f"open a session: POST http://{host}:{port}/lightning/v1/sessions with 'Authorization: Bearer <admin key>'"
     )

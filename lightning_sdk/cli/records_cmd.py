@@ -68,7 +68,9 @@ def records(
         None, "--failed-fill", help="Train failed/timed-out attempts with this reward (default: not trained)."
     ),
     gamma: float = typer.Option(1.0, "--gamma", help="Discount over calls for per-call rewards."),
-    split: str = typer.Option("train", "--split", help="Which split to export ('all' for every split)."),
+    split: str = typer.Option(
+        "all", "--split", help="Export only this split (e.g. 'train'); default: every succeeded attempt."
+    ),
     report: Path | None = typer.Option(None, "--report", help="Also write the fidelity report as JSON here."),
     show: int = typer.Option(0, "--show", help="Print the first N records with their loss mask."),
     quiet: bool = typer.Option(False, "--quiet", help="Do not print the report table."),
@@ -91,7 +93,12 @@ def records(
         )
         if max_length is not None and max_length < 1:
             raise ConfigError("--max-length must be at least 1")
+        for path, flag in ((out, "--out"), (report, "--report")):
+            if path is not None and (path.is_dir() or not path.parent.is_dir()):
+                raise ConfigError(f"{flag} {path}: not a writable file path (is its folder there?)")
         tok: Any = None
+        if tokenizer is not None and not tokenizer.is_dir():
+            raise ConfigError(f"--tokenizer {tokenizer}: no such directory (expected an HF tokenizer directory)")
         if tokenizer is not None:
             from transformers import AutoTokenizer
 

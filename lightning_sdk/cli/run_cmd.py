@@ -211,12 +211,17 @@ def run_command(
     try:
         if not admin_key:
             raise ConfigError("--admin-key (or LIGHTNING_SDK_ADMIN_KEY) is needed to reach the server's store")
+        if summary_path is not None and (summary_path.is_dir() or not summary_path.parent.is_dir()):
+            raise ConfigError(f"--summary {summary_path}: not a writable file path (is its folder there?)")
+        root = server.rstrip("/")
+        if root.endswith("/v1"):  # people paste the OpenAI base URL; the server's root is what we need
+            root = root[: -len("/v1")]
         the_agent = load_agent(agent)
         task_list = read_tasks(tasks) if tasks is not None else None
         summary, results, interrupted = asyncio.run(
             _run(
                 the_agent,
-                server.rstrip("/"),
+                root,
                 admin_key,
                 workers=workers,
                 tasks=task_list,

@@ -3,7 +3,9 @@
 Shapes (the contract)::
 
     POST /lightning/v1/reward    {"value": float, "name": str?, "call_id": str?}
-                                 -> {"rollout_id", "attempt_id", "name", "value"}
+                                 -> {"rollout_id", "attempt_id", "name", "value", "call_id" (when given)}
+                                 (``call_id``: a per-call reward; the id is the ``X-Lightning-Call-Id`` header of that
+                                 call's response; 400 ``param="call_id"`` when it is not a call of this attempt)
     POST /lightning/v1/finish    {"status": "succeeded"|"failed", "error": str?}
                                  -> {"rollout_id", "attempt_id", "status", "calls"}   (after every call is committed)
     POST /lightning/v1/sessions  {"task": {...}?, "group": str?} -> {"rollout_id", "attempt_id", "token", "base_url"}
@@ -133,10 +135,25 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, "call_id: must be a string", param="call_id")
         state = await proxy.attempts.resolve(proxy.token_of(request))
         a = state.attempt
+        if call_id is not None and not await state.has_call(proxy.store, call_id):
+            raise ProxyHTTPError(
+                400,
+                f"call_id: {call_id!r} is not a call of attempt {a.attempt_id} (use the X-Lightning-Call-Id header "
+                "of one of its chat/completions responses)",
+                param="call_id",
+            )
         await proxy.recorder.add_reward(
             Reward(rollout_id=a.rollout_id, attempt_id=a.attempt_id, value=float(value), name=name, call_id=call_id)
         )
-        return _ok({"rollout_id": a.rollout_id, "attempt_id": a.attempt_id, "name": name, "value": float(value)})
+        out: dict[str, Any] = {
+            "rollout_id": a.rollout_id,
+            "attempt_id": a.attempt_id,
+            "name": name,
+            "value": float(value),
+        }
+        if call_id is not None:
+            out["call_id"] = call_id
+        return _ok(out)
 
     @handler
     async def finish(request: Request) -> Response:

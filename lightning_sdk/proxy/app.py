@@ -11,7 +11,9 @@ Routes (the HTTP contract in docs/concepts.md / ARCHITECTURE.md)::
 One LLM call: read the body (413 over ``max_body_bytes``), parse and validate it (400 naming the field), resolve
 the attempt from the token (path token wins over the bearer; 401 unknown, 409 not running), pick the backend by
 model name (the policy backend, or LiteLLM for an external route), call it, answer the agent, and hand the call to
-the ``Recorder`` that commits it in the background. ``finish`` waits for the attempt's calls in flight, flushes its
+the ``Recorder`` that commits it in the background. Every response of a call the proxy opened carries the header
+``X-Lightning-Call-Id: <call_id>`` (streamed or not, errors too), so an agent can give that call a per-call reward
+(``POST /lightning/v1/reward {"call_id": ...}``). ``finish`` waits for the attempt's calls in flight, flushes its
 records, then ends the attempt: a finished attempt's calls are committed before the answer.
 """
 
@@ -51,7 +53,7 @@ from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Call, now
 
-__all__ = ["Proxy", "ProxyApp", "ProxyConfig", "create_app"]
+__all__ = ["CALL_ID_HEADER", "Proxy", "ProxyApp", "ProxyConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ class ProxyConfig:
     max_pending_records: int = 4096
     record_batch: int = 256
     finish_timeout_s: float = 120.0
-    cancel_on_disconnect: bool = True  # watch non-streaming requests for the agent hanging up
+    cancel_on_disconnect: bool = True  # watch requests for the agent hanging up (then the upstream call is closed)
+    hang_up_watch_after_s: float = 0.05  # arm that watch this far into a call (cheaper for fast calls; 0 = at once)
 
 
 class Proxy:
@@ -163,8 +166,9 @@ class Proxy:
                 policy_version=await self.policy_version(),
                 _earlier=_earlier(state, self.store, seq),
             )
+            state.call_ids.add(ctx.call_id)
             if self.config.cancel_on_disconnect:
-                watch = _HangUpWatch(receive)
+                watch = _HangUpWatch(receive, self.config.hang_up_watch_after_s)
             state.inflight += 1
             try:
                 if body.get("stream"):
@@ -174,7 +178,7 @@ class Proxy:
                         assert not isinstance(backend, ExternalBackend)
                         stream = backend.completions_stream(body, ctx)
                     first = await anext(stream)  # errors before the first byte still get a proper status code
-                    result, error = await _relay(send, first, stream)
+                    result, error = await _relay(send, first, stream, ctx.call_id)
                 elif chat:
                     result = await backend.chat(body, ctx)
                 else:
@@ -185,13 +189,15 @@ class Proxy:
                 if watch is not None:
                     watch.close()
         except ProxyHTTPError as err:
-            await _send_error(send, err)
+            await _send_error(send, err, call_id=ctx.call_id if ctx is not None else None)
         except UpstreamHTTPError as exc:
             error = str(exc)
-            await _send_error(send, ProxyHTTPError(exc.status_code, error), exc.payload)
+            await _send_error(
+                send, ProxyHTTPError(exc.status_code, error), exc.payload, ctx.call_id if ctx is not None else None
+            )
         except LightningSDKError as exc:
             error = str(exc)
-            await _send_error(send, from_sdk_error(exc))
+            await _send_error(send, from_sdk_error(exc), call_id=ctx.call_id if ctx is not None else None)
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
                 raise
@@ -200,7 +206,8 @@ class Proxy:
         else:
             if result is not None and not body.get("stream"):
                 payload = orjson.dumps(result.response)
-                await send({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload))})
+                headers = _json_headers(len(payload), ctx.call_id if ctx is not None else None)
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": payload})
         if state is not None and ctx is not None:
             call = self._make_call(ctx, body, result if error is None else None, chat, started)
@@ -327,6 +334,8 @@ def _earlier(state: AttemptState, store: Store, seq: int) -> Any:
 _ID_PREFIX = secrets.token_hex(6)
 _ID_COUNTER = itertools.count(1)
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+CALL_ID_HEADER = b"x-lightning-call-id"
+"""Response header of every LLM call the proxy opened: the recorded call's id (for per-call rewards)."""
 
 
 def _call_id() -> str:
@@ -334,8 +343,11 @@ def _call_id() -> str:
     return f"call-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
-def _json_headers(length: int) -> list[tuple[bytes, bytes]]:
-    return [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+def _json_headers(length: int, call_id: str | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+    if call_id is not None:
+        headers.append((CALL_ID_HEADER, call_id.encode()))
+    return headers
 
 
 def _bearer(scope: Scope) -> str | None:
@@ -348,9 +360,14 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
-async def _send_error(send: Send, err: ProxyHTTPError, payload: dict[str, Any] | None = None) -> None:
+async def _send_error(
+    send: Send, err: ProxyHTTPError, payload: dict[str, Any] | None = None, call_id: str | None = None
+) -> None:
     response = error_response(err, payload)
-    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    headers = response.raw_headers
+    if call_id is not None:
+        headers = [*headers, (CALL_ID_HEADER, call_id.encode())]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
 
 
@@ -358,17 +375,30 @@ class _HangUpWatch:
     """Cancel the task serving a request when the agent hangs up (which closes the upstream request too).
 
     After the request body is read, the server's ``receive()`` only returns once the client disconnects (or the
-    response is complete); a done-callback on it cancels the serving task. One small task per request, no polling.
+    response is complete); a done-callback on it cancels the serving task. The watch is armed ``after_s`` seconds
+    into the call (a timer, not a task): most fast calls end before that, and a task per request is a tenth of
+    the proxy's CPU per call on a small machine. A hang-up before that is seen when the watch is armed (the server
+    remembers the disconnect), so an LLM generation is never left running for more than ``after_s``.
     """
 
-    __slots__ = ("_active", "_fut", "_task", "gone")
+    __slots__ = ("_active", "_fut", "_task", "_timer", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, after_s: float) -> None:
         self.gone = False
         self._active = True
         self._task = asyncio.current_task()
-        self._fut = asyncio.ensure_future(receive())
-        self._fut.add_done_callback(self._on_message)
+        self._fut: asyncio.Future[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        if after_s > 0:
+            self._timer = asyncio.get_running_loop().call_later(after_s, self._arm, receive)
+        else:
+            self._arm(receive)
+
+    def _arm(self, receive: Receive) -> None:
+        self._timer = None
+        if self._active:
+            self._fut = asyncio.ensure_future(receive())
+            self._fut.add_done_callback(self._on_message)
 
     def _on_message(self, fut: asyncio.Future[Any]) -> None:
         if not self._active or fut.cancelled() or fut.exception() is not None:
@@ -379,14 +409,18 @@ class _HangUpWatch:
 
     def close(self) -> None:
         self._active = False
-        self._fut.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._fut is not None:
+            self._fut.cancel()
 
 
 async def _relay(
-    send: Send, first: StreamItem, stream: AsyncIterator[StreamItem]
+    send: Send, first: StreamItem, stream: AsyncIterator[StreamItem], call_id: str
 ) -> tuple[ChatResult | None, str | None]:
     """Send a backend's stream as server-sent events; returns its ``ChatResult`` or the error that cut it off."""
-    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    headers = [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     result: ChatResult | None = None
     item: StreamItem | None = first
     try:

@@ -24,13 +24,14 @@ __all__ = ["AttemptCache", "AttemptState"]
 class AttemptState:
     """What the proxy keeps per attempt while it is running."""
 
-    __slots__ = ("_load_lock", "attempt", "calls", "checked_at", "inflight", "loaded", "next_seq")
+    __slots__ = ("_load_lock", "attempt", "call_ids", "calls", "checked_at", "inflight", "loaded", "next_seq")
 
     def __init__(self, attempt: Attempt, checked_at: float) -> None:
         self.attempt = attempt
         self.checked_at = checked_at
         self.next_seq = 0
         self.calls: list[Call] = []  # finished calls of this attempt, in seq order
+        self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
         self.loaded = False
         self.inflight = 0  # calls being served right now (finish waits for them)
         self._load_lock = asyncio.Lock()
@@ -47,6 +48,14 @@ class AttemptState:
         if not self.loaded:
             await self._load(store)
         return [c for c in self.calls if c.seq < before_seq]
+
+    async def has_call(self, store: Store, call_id: str) -> bool:
+        """Whether ``call_id`` is a call of this attempt (handed out here, or already in the store)."""
+        if call_id in self.call_ids:
+            return True
+        if not self.loaded:
+            await self._load(store)
+        return any(c.call_id == call_id for c in self.calls)
 
     def add_call(self, call: Call) -> None:
         if not self.calls or self.calls[-1].seq < call.seq:
@@ -108,4 +117,5 @@ class AttemptCache:
         if state is not None:
             state.attempt = attempt
             state.calls = []  # no later call can extend them
+            state.call_ids = set()
             state.checked_at = time.monotonic()

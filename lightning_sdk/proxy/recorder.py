@@ -37,7 +37,7 @@ class Recorder:
         *,
         max_pending: int = 4096,
         max_batch: int = 256,
-        linger_s: float = 0.01,
+        linger_s: float = 0.05,
         retries: int = 3,
         retry_s: float = 0.2,
     ) -> None:

@@ -61,10 +61,12 @@ class ProxyHandle:
         data: dict[str, Any] = r.json()
         return data
 
-    def reward(self, token: str, value: float, name: str | None = None) -> httpx.Response:
+    def reward(self, token: str, value: float, name: str | None = None, call_id: str | None = None) -> httpx.Response:
         body: dict[str, Any] = {"value": value}
         if name is not None:
             body["name"] = name
+        if call_id is not None:
+            body["call_id"] = call_id
         return self.http.post("/lightning/v1/reward", json=body, headers={"Authorization": f"Bearer {token}"})
 
     def finish(self, token: str, status: str = "succeeded", error: str | None = None) -> httpx.Response:
