@@ -189,17 +189,28 @@ def test_504_when_the_upstream_is_too_slow(upstream: RunningServer, mock: MockOp
         assert "did not answer within 0.3s" in err["message"]
 
 
-def test_agent_hang_up_cancels_the_upstream_call(px: ProxyHandle, mock: MockOpenAI) -> None:
-    s = px.session()
-    mock.delay_s = 3.0
-    with pytest.raises(httpx.ReadTimeout):
-        px.http.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['token']}"}, timeout=0.3)
-    deadline = time.monotonic() + 2.5
-    while mock.cancelled < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert mock.cancelled == 1  # the engine saw the proxy go away long before its 3 s reply
-    [call] = px.calls(s["rollout_id"])
-    assert call["error"] == "the agent disconnected before the reply was complete"
+@pytest.mark.parametrize(("watch_after_s", "hang_up_after_s"), [(0.05, 0.3), (0.0, 0.3), (0.5, 0.1)])
+def test_agent_hang_up_cancels_the_upstream_call(
+    upstream: RunningServer, mock: MockOpenAI, tmp_path: Path, watch_after_s: float, hang_up_after_s: float
+) -> None:
+    """The watch armed at once, later (the default), or after the agent already left (seen when it is armed)."""
+    config = ProxyConfig(hang_up_watch_after_s=watch_after_s)
+    with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", config=config) as px:
+        s = px.session()
+        mock.delay_s = 3.0
+        with pytest.raises(httpx.ReadTimeout):
+            px.http.post(
+                "/v1/chat/completions",
+                json=CHAT,
+                headers={"Authorization": f"Bearer {s['token']}"},
+                timeout=hang_up_after_s,
+            )
+        deadline = time.monotonic() + 2.5
+        while mock.cancelled < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert mock.cancelled == 1  # the engine saw the proxy go away long before its 3 s reply
+        [call] = px.calls(s["rollout_id"])
+        assert call["error"] == "the agent disconnected before the reply was complete"
 
 
 def test_agent_hang_up_mid_stream_cancels_the_upstream_stream(px: ProxyHandle, mock: MockOpenAI) -> None:

@@ -15,7 +15,10 @@ import pytest
 
 from tests.trainer.tiny import EXAMPLE, ROOT
 
-CLI = "import sys; from lightning_sdk.cli._app import app; import lightning_sdk.cli.train_cmd; sys.exit(app())"
+CLI = (
+    "import sys; from lightning_sdk.cli._app import app; "
+    "import lightning_sdk.cli.train_cmd, lightning_sdk.cli.daemon_cmd; sys.exit(app())"
+)
 
 
 @pytest.mark.slow
