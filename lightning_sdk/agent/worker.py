@@ -33,7 +33,14 @@ from lightning_sdk.agent._base import Agent, AttemptOutcome, format_exception
 from lightning_sdk.agent._context import AttemptContext, EmittedReward, running_attempt
 from lightning_sdk.agent._llm import LLM
 from lightning_sdk.agent._server_client import ServerClient
-from lightning_sdk.errors import AttemptNotRunningError, InvalidTransitionError, LightningSDKError, NotFoundError
+from lightning_sdk.errors import (
+    AttemptNotRunningError,
+    AuthError,
+    InvalidTransitionError,
+    LightningSDKError,
+    NotFoundError,
+    StoreUnavailableError,
+)
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import AttemptStatus, Claim
 
@@ -266,13 +273,15 @@ class WorkerPool:
         error = outcome.error
         try:
             if outcome.status == "succeeded":
-                for r in emitted:
-                    await self._client.reward(token, r.value, r.name, r.call_id)
-                    if r.call_id is None and r.name == "reward" and outcome.reward is None:
-                        reward = r.value
-                if outcome.reward is not None:
-                    await self._client.reward(token, outcome.reward, "reward")
-                await self._client.finish(token, "succeeded")
+                refused = await self._post_rewards(token, emitted, outcome)
+                if refused is None:
+                    finals = [r.value for r in emitted if r.call_id is None and r.name == "reward"]
+                    if outcome.reward is None and finals:
+                        reward = finals[-1]
+                    await self._client.finish(token, "succeeded")
+                else:  # a reward the server refused (e.g. an unknown call_id): fail loudly, never drop it silently
+                    status, error = "failed", refused
+                    await self._client.finish(token, "failed", error=error)
             else:
                 await self._client.finish(token, "failed", error=error)
         except AttemptNotRunningError as exc:
@@ -288,6 +297,20 @@ class WorkerPool:
             error=error,
             duration_s=time.monotonic() - started,
         )
+
+    async def _post_rewards(self, token: str, emitted: list[EmittedReward], outcome: AttemptOutcome) -> str | None:
+        """Post the attempt's rewards; the error text of the first one the server refuses (HTTP 4xx), else None."""
+        pending = [(r.value, r.name, r.call_id) for r in emitted]
+        if outcome.reward is not None:
+            pending.append((outcome.reward, "reward", None))
+        for value, name, call_id in pending:
+            try:
+                await self._client.reward(token, value, name, call_id)
+            except (AttemptNotRunningError, AuthError, StoreUnavailableError):
+                raise
+            except LightningSDKError as exc:
+                return f"the server refused the reward {name!r}={value} (call_id={call_id}): {exc}"
+        return None
 
     async def _abandon(self, claim: Claim, started: float) -> AttemptResult:
         """A cancelled attempt: released back to the queue on shutdown, or lost when the server expired it."""

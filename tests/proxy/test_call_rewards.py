@@ -92,3 +92,23 @@ async def test_agent_reads_the_header_and_emits_a_per_call_reward(tmp_path: Path
     second = next(c["call_id"] for c in attempt["calls"] if c["seq"] == 1)
     rewards = sorted((w["name"], w["value"], w["call_id"]) for w in detail["rewards"])
     assert rewards == [("reward", 1.0, None), ("tool_ok", 0.25, second)]
+
+
+async def test_a_refused_per_call_reward_fails_the_attempt_with_the_reason(tmp_path: Path) -> None:
+    """A reward the proxy refuses (unknown call id) is never dropped silently: the worker finishes the attempt as
+    failed at once, with the proxy's reason, instead of leaving it running until its lease expires."""
+
+    @la.rollout
+    async def agent(task: dict[str, str], llm: la.LLM) -> float:
+        await llm.async_openai_client().chat.completions.create(model=llm.model, messages=_MSGS)  # type: ignore[arg-type]
+        la.emit_reward(0.5, name="step", call_id="call-does-not-exist")
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        summary = await la.run_tasks(agent, st.store, st.url, [{"q": "question"}], n_workers=1)
+        (result,) = summary.rollouts
+        detail = await st.store.get_rollout(result.rollout_id)
+    assert summary.succeeded == 0
+    (attempt,) = detail.attempts
+    assert attempt.attempt.status.value == "failed"
+    assert "call_id" in (attempt.attempt.error or "") and "call-does-not-exist" in (attempt.attempt.error or "")
