@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.errors import ConfigError, LightningSDKError
 from lightning_sdk.proxy.errors import ProxyHTTPError, error_response, from_sdk_error
 from lightning_sdk.types import AttemptStatus, Call, Reward, Rollout, RolloutDetail, RolloutStatus
 
@@ -221,7 +221,12 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
         limit_text = q.get("limit", "100")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 1000:
             raise ProxyHTTPError(400, "limit: must be an integer from 1 to 1000", param="limit")
-        rollouts, cursor = await proxy.store.list_rollouts(status=status, limit=int(limit_text), after=q.get("after"))
+        try:
+            rollouts, cursor = await proxy.store.list_rollouts(
+                status=status, limit=int(limit_text), after=q.get("after")
+            )
+        except ConfigError as exc:  # the store's word for a cursor it did not issue
+            raise ProxyHTTPError(400, f"after: {exc}", param="after") from exc
         return _ok({"rollouts": [rollout_json(r) for r in rollouts], "next": cursor})
 
     @handler

@@ -110,7 +110,8 @@ class Proxy:
         t = time.monotonic()
         if t - at > self.config.version_ttl_s:
             pv = await self.store.current_version()
-            version = pv.version if pv is not None else None
+            # before any publication the weights being served are the initial ones: version 0
+            version = pv.version if pv is not None else 0
             self._version = (t, version)
         return version
 

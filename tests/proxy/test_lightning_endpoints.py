@@ -116,6 +116,8 @@ def test_list_rollouts_pages_and_filters(px: ProxyHandle) -> None:
     assert [r["rollout_id"] for r in done["rollouts"]] == [sessions[1]["rollout_id"]]
     bad = px.http.get("/lightning/v1/rollouts", params={"status": "nope"}, headers=px.admin)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "status"
+    forged = px.http.get("/lightning/v1/rollouts", params={"after": "zzz"}, headers=px.admin)
+    assert forged.status_code == 400 and forged.json()["error"]["param"] == "after"
     missing = px.http.get("/lightning/v1/rollouts/ro-missing", headers=px.admin)
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 

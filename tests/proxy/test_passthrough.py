@@ -183,3 +183,13 @@ def test_models_lists_the_upstream_models(px: ProxyHandle) -> None:
     r = px.http.get("/v1/models")
     assert r.status_code == 200
     assert [m["id"] for m in r.json()["data"]] == ["policy"]
+
+
+def test_calls_before_any_publication_record_policy_version_zero(px: ProxyHandle, mock: MockOpenAI) -> None:
+    """Tracing without a trainer: the weights being served are the initial ones, so every call records version 0
+    (never null: the contract says every call records the version that served it)."""
+    s = px.session()
+    client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)
+    client.chat.completions.create(model="policy", messages=MESSAGES)  # type: ignore[arg-type]
+    [call] = px.calls(s["rollout_id"])
+    assert call["policy_version"] == 0

@@ -22,6 +22,7 @@ CLI = (
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
