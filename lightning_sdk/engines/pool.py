@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
+import orjson
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
@@ -207,6 +208,27 @@ class RemoteEngine:
         if resp.status_code >= 400:
             raise EngineError(f"{what}: {url} answered {resp.status_code}: {resp.text[:500]}")
         return resp
+
+    async def _sse_events(self, url: str, body: dict[str, Any], *, what: str) -> AsyncIterator[dict[str, Any]]:
+        """POST ``body`` and yield the JSON events of the server-sent-event stream until ``[DONE]``; HTTP errors,
+        transport failures and ``{"error": ...}`` events become ``EngineError`` naming ``what``."""
+        try:
+            async with self._client.stream("POST", url, json=body) as resp:
+                if resp.status_code >= 400:
+                    text = (await resp.aread()).decode(errors="replace")
+                    raise EngineError(f"{what}: {url} answered {resp.status_code}: {text[:500]}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        return
+                    event = orjson.loads(payload)
+                    if "error" in event:
+                        raise EngineError(f"{what} stream error: {event['error']}")
+                    yield event
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{what}: {url} failed while streaming: {exc}") from exc
 
     async def _generate_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> Generation:
         raise NotImplementedError

@@ -127,35 +127,17 @@ class SGLangEngine(RemoteEngine):
 
     async def _stream_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerationDelta]:
         url = f"{self.base_urls[idx]}/generate"
-        body = self._body(input_ids, sampling, stream=True)
         seen = 0
-        try:
-            async with self._client.stream("POST", url, json=body) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise EngineError(f"SGLang generate: {url} answered {resp.status_code}: {text[:500]}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    event = orjson.loads(payload)
-                    if "error" in event:
-                        raise EngineError(f"SGLang stream error: {event['error']}")
-                    meta = event.get("meta_info", {})
-                    ids = [int(t) for t in event.get("output_ids", [])]
-                    lps = _logprobs(meta, ids)
-                    if not self.incremental_streaming:
-                        ids, lps = ids[seen:], lps[seen:]
-                    seen += len(ids)
-                    reason = _finish(meta)
-                    if ids or reason is not None:
-                        yield GenerationDelta(
-                            ids=ids, logprobs=lps, finish_reason=reason, policy_version=_version(meta)
-                        )
-        except httpx.HTTPError as exc:
-            raise EngineError(f"SGLang generate: {url} failed while streaming: {exc}") from exc
+        async for event in self._sse_events(url, self._body(input_ids, sampling, stream=True), what="SGLang generate"):
+            meta = event.get("meta_info", {})
+            ids = [int(t) for t in event.get("output_ids", [])]
+            lps = _logprobs(meta, ids)
+            if not self.incremental_streaming:
+                ids, lps = ids[seen:], lps[seen:]
+            seen += len(ids)
+            reason = _finish(meta)
+            if ids or reason is not None:
+                yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason, policy_version=_version(meta))
 
     # ------------------------------------------------------------------------------------------------ weights
     async def _pause_server(self, idx: int) -> None:

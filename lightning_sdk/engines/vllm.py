@@ -113,27 +113,13 @@ class VLLMEngine(RemoteEngine):
 
     async def _stream_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerationDelta]:
         url = f"{self.base_urls[idx]}/v1/completions"
-        try:
-            async with self._client.stream("POST", url, json=self._body(input_ids, sampling, stream=True)) as resp:
-                if resp.status_code >= 400:
-                    text = (await resp.aread()).decode(errors="replace")
-                    raise EngineError(f"vLLM completions: {url} answered {resp.status_code}: {text[:500]}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk:
-                        raise EngineError(f"vLLM stream error: {chunk['error']}")
-                    for choice in chunk.get("choices", []):
-                        ids, lps = _ids_and_logprobs(choice) if choice.get("token_ids") else ([], [])
-                        reason = _finish(choice)
-                        if ids or reason is not None:
-                            yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason)
-        except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM completions: {url} failed while streaming: {exc}") from exc
+        body = self._body(input_ids, sampling, stream=True)
+        async for chunk in self._sse_events(url, body, what="vLLM completions"):
+            for choice in chunk.get("choices", []):
+                ids, lps = _ids_and_logprobs(choice) if choice.get("token_ids") else ([], [])
+                reason = _finish(choice)
+                if ids or reason is not None:
+                    yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason)
 
     # ------------------------------------------------------------------------------------------------ weights
     async def _pause_server(self, idx: int) -> None:
