@@ -32,7 +32,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ import torch
 import uvicorn
 
 from lightning_sdk.engines.embedded import EmbeddedEngine
-from lightning_sdk.errors import TrainerError
+from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.store.base import FinishedGroup, Store
@@ -49,7 +49,7 @@ from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_c
 from lightning_sdk.trainer.learner import Learner, TrainBatch
 from lightning_sdk.types import PolicyVersion, Resource
 
-__all__ = ["StepReport", "TrainerDaemon", "free_port", "group_version"]
+__all__ = ["StepReport", "TrainerDaemon", "bind_socket", "free_port", "group_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the proxy's listening socket now (``port`` 0: a free one), before the slow policy set-up, so a bad or
+    busy port is a one-line ``ConfigError`` instead of a uvicorn traceback minutes later."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port {port} is not a TCP port (0-65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the daemon's owner decides what SIGINT/SIGTERM do (stop the workers,
+    finish the step, write the checkpoint), and the proxy stops last, in ``TrainerDaemon.stop``."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def group_version(group: FinishedGroup) -> int | None:
@@ -118,6 +142,7 @@ class TrainerDaemon:
         admin_key: str,
         host: str = "127.0.0.1",
         port: int = 0,
+        sock: socket.socket | None = None,
         model_name: str = "policy",
     ) -> None:
         self.store = store
@@ -133,7 +158,8 @@ class TrainerDaemon:
         self.rollout_sampling = rollout_sampling
         self.admin_key = admin_key
         self.host = host
-        self.port = port or free_port(host)
+        self._sock = sock
+        self.port = int(sock.getsockname()[1]) if sock is not None else port
         self.model_name = model_name
         self.step = 0
         self.version = engine.policy_version
@@ -158,12 +184,15 @@ class TrainerDaemon:
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
         from lightning_sdk.tokens import ChatRenderer
 
+        if self._sock is None:
+            self._sock = bind_socket(self.host, self.port)
+            self.port = int(self._sock.getsockname()[1])
         await self._resume()
         renderer = ChatRenderer(self.engine.tokenizer)
         backend = TokenModeBackend(self.engine, renderer, config=TokenModeConfig(model_name=self.model_name))
         app = create_app(self.store, policy_backend=backend, admin_key=self.admin_key)
-        self._server = uvicorn.Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
-        self._server_task = asyncio.create_task(self._server.serve())
+        self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
+        self._server_task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
         while not self._server.started:
             if self._server_task.done():
                 raise TrainerError(f"the proxy could not start on {self.url}")
@@ -173,12 +202,20 @@ class TrainerDaemon:
         return self.url
 
     async def stop(self) -> None:
+        """Stop the proxy (call it last: after the workers have finished or released their attempts)."""
         await self.flush_weights()
         if self._server is not None and self._server_task is not None:
             self._server.should_exit = True
             with contextlib.suppress(asyncio.CancelledError):
                 await self._server_task
         self._server = None
+        self.close_socket()
+
+    def close_socket(self) -> None:
+        """Close the listening socket (also when ``start`` was never reached)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     async def _resume(self) -> None:
         ckpt = load_checkpoint(self.run_dir)

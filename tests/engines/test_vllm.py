@@ -305,6 +305,41 @@ async def test_errors_are_engine_errors(tmp_path: Path) -> None:
         await engine.close()
 
 
+async def test_stream_failures_are_engine_errors() -> None:
+    """A stream that answers 5xx, or carries an ``{"error": ...}`` event mid-way (vLLM's ``ErrorResponse`` in a
+    ``data:`` line), raises ``EngineError`` naming the engine, after the deltas that came before it."""
+
+    answer_500 = False
+
+    async def failing(request: Request) -> Response:
+        if answer_500:
+            return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+        async def events() -> Any:
+            first = {"choices": [{"index": 0, "text": "a", "token_ids": [7], "finish_reason": None,
+                                  "logprobs": {"token_logprobs": [-0.5], "tokens": ["a"]}}]}  # fmt: skip
+            yield b"data: " + orjson.dumps(first) + b"\n\n"
+            yield b"data: " + orjson.dumps({"error": {"message": "engine died", "code": 500}}) + b"\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/completions", failing, methods=["POST"])])
+    async with serve_async(app) as srv:
+        engine = VLLMEngine(srv.url)
+        got: list[int] = []
+        with pytest.raises(EngineError, match=r"vLLM completions stream error: .*engine died"):
+            async for delta in engine.stream([1, 2], Sampling(max_tokens=4)):
+                got.extend(delta.ids)
+        assert got == [7]
+        await engine.close()
+        answer_500 = True
+        engine = VLLMEngine(srv.url)
+        with pytest.raises(EngineError, match=r"vLLM completions: .* answered 500: .*boom"):
+            async for _ in engine.stream([1], Sampling(max_tokens=2)):
+                pass
+        await engine.close()
+
+
 def test_disk_reload_extension_feeds_model_load_weights(tmp_path: Path) -> None:
     """The worker extension reads every safetensors file and hands (name, tensor) pairs to ``load_weights``."""
     from safetensors.torch import save_file
