@@ -11,7 +11,7 @@ from lightning_sdk.agent._command import CommandAgent
 from lightning_sdk.agent._context import AttemptContext, current_attempt, emit_reward
 from lightning_sdk.agent._llm import LLM
 from lightning_sdk.agent._rollout import RolloutAgent, rollout
-from lightning_sdk.agent.loader import agent_from_config, load_agent
+from lightning_sdk.agent.loader import agent_from_config, import_path, load_agent
 from lightning_sdk.agent.tasks import RunSummary, run_tasks
 from lightning_sdk.agent.worker import AttemptResult, WorkerPool, policy_model_name
 
@@ -28,6 +28,7 @@ __all__ = [
     "agent_from_config",
     "current_attempt",
     "emit_reward",
+    "import_path",
     "load_agent",
     "policy_model_name",
     "rollout",

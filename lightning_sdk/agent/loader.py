@@ -18,6 +18,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from lightning_sdk.agent._base import Agent
@@ -25,7 +26,15 @@ from lightning_sdk.agent._command import CommandAgent, _import_path
 from lightning_sdk.agent._rollout import RolloutAgent, rollout
 from lightning_sdk.errors import ConfigError
 
-__all__ = ["agent_from_config", "load_agent"]
+__all__ = ["agent_from_config", "import_path", "load_agent"]
+
+
+def import_path(path: str | Path) -> ModuleType:
+    """Import a Python file as a module (once per resolved path), with its directory on ``sys.path`` so it can
+    import its neighbours; how ``FILE.py:NAME`` references (agents, task generators) are loaded. Raises
+    ``FileNotFoundError`` when the file does not exist, and whatever the file raises while it runs."""
+    module: ModuleType = _import_path(Path(path))
+    return module
 
 
 def _as_agent(obj: Any, where: str) -> Agent:

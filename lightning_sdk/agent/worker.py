@@ -230,6 +230,11 @@ class WorkerPool:
                 try:
                     await self.store.heartbeat(attempt_id, lease_s=self.lease_s)
                 except (InvalidTransitionError, NotFoundError, AttemptNotRunningError) as exc:
+                    if attempt_id in self._finishing or task.done():
+                        # the benign race: the agent returned and this worker finished the attempt while the
+                        # heartbeat was on its way ("cannot heartbeat, it is 'succeeded'"); nothing is lost
+                        logger.debug("heartbeat of %s raced its finish (%s)", attempt_id, exc)
+                        continue
                     logger.warning("attempt %s is no longer running on the server (%s); abandoning it", attempt_id, exc)
                     self._lost.add(attempt_id)
                     task.cancel()

@@ -1,15 +1,15 @@
 """``lightning-sdk daemon --config FILE``: the trainer daemon, serving workers on other processes or machines.
 
 Store + proxy + embedded engine + learner, waiting for workers (``lightning-sdk run MODULE:AGENT --server URL``).
-Prints the URL and the admin key once the proxy is up, enqueues the config's train tasks and trains ``rl.steps``
-steps on the groups the workers finish. SIGINT/SIGTERM stop after the current step; re-running with the same
-``--output`` resumes from the last checkpoint.
+Binds the port first (a bad or busy one is a one-line error), prints the URL and the admin key as soon as the
+proxy listens, warm-starts if configured, enqueues the config's train tasks and trains ``rl.steps`` steps on the
+groups the workers finish. SIGINT/SIGTERM stop gracefully after the current step (checkpointed; the proxy stops
+last) and exit 0; a second signal exits at once. Re-running with the same ``--output`` resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 
 from lightning_sdk.cli._app import app
-from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.errors import ConfigError, LightningSDKError
 
 __all__ = ["daemon_command"]
 
@@ -34,7 +34,8 @@ def daemon_command(
 ) -> None:
     """Run the trainer daemon: a proxy and a trainer that wait for agent workers."""
     from lightning_sdk.trainer.config import load_train_config
-    from lightning_sdk.trainer.run import run_daemon
+    from lightning_sdk.trainer.run import RunStopped, run_daemon
+    from lightning_sdk.trainer.stopping import GracefulStop
     from lightning_sdk.trainer.view import ProgressView
 
     console = Console(stderr=True)
@@ -43,7 +44,7 @@ def daemon_command(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    stopping = False
+    stop = GracefulStop(note=lambda message: console.print(message, markup=False))
 
     def ready(url: str, key: str) -> None:
         console.print(f"trainer daemon ready: {url}", markup=False)
@@ -51,20 +52,19 @@ def daemon_command(
         console.print(f"workers: lightning-sdk run MODULE:AGENT --server {url} --workers N", markup=False)
 
     async def main() -> dict[str, object]:
-        def request_stop() -> None:
-            nonlocal stopping
-            stopping = True
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, request_stop)
+        stop.install()
         with ProgressView(cfg.name, cfg.rl.steps, console=console) as view:
-            return await run_daemon(cfg, run_dir, admin_key=admin_key, view=view, on_ready=ready, stop=lambda: stopping)
+            return await run_daemon(cfg, run_dir, admin_key=admin_key, view=view, on_ready=ready, stop=stop)
 
     try:
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"--port {port} is not a TCP port (0-65535)")
         cfg = load_train_config(config, overrides)
         run_dir = output or Path("runs") / f"{cfg.name}-daemon-{time.strftime('%Y%m%d-%H%M%S')}"
         result = asyncio.run(main())
+    except RunStopped as exc:
+        console.print(f"{exc}; re-run with the same --output ({run_dir}) to resume", markup=False)
+        return
     except LightningSDKError as exc:
         console.print(f"error: {exc}", markup=False)
         raise typer.Exit(1) from None

@@ -3,6 +3,9 @@
 Store + proxy + embedded engine + learner + in-process agent workers; warm start, held-out evaluation before and
 after, async RL with a live view; ``RUN_DIR`` ends with ``summary.json``, ``metrics.jsonl``, ``reward_curve.png``,
 TensorBoard logs and the trained model in ``RUN_DIR/model``. Re-running with the same ``--output`` resumes.
+
+SIGINT/SIGTERM stop gracefully (workers release their attempts, the learner checkpoints its step, the proxy stops
+last) and exit with ``128 + signal`` (130 / 143); a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -43,23 +46,33 @@ def train_command(
 ) -> None:
     """Train an agent with RL: warm start, evaluate, train asynchronously, evaluate again."""
     from lightning_sdk.trainer.config import load_train_config
-    from lightning_sdk.trainer.run import run_training
+    from lightning_sdk.trainer.run import RunStopped, run_training
+    from lightning_sdk.trainer.stopping import GracefulStop
     from lightning_sdk.trainer.view import ProgressView
 
     console = Console(stderr=True)
+    stop = GracefulStop(note=lambda message: console.print(message, markup=False))
+
+    async def main(view: ProgressView) -> dict[str, Any]:
+        stop.install()
+        return await run_training(cfg, run_dir, view=view, stop=stop)
+
     try:
         cfg = load_train_config(config, _parse_set(set_))
         run_dir = output or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         with ProgressView(cfg.name, cfg.rl.steps, console=console) as view:
-            summary = asyncio.run(run_training(cfg, run_dir, view=view))
+            summary = asyncio.run(main(view))
+    except RunStopped as exc:
+        console.print(f"{exc}; re-run with the same --output ({run_dir}) to resume", markup=False)
+        raise typer.Exit(stop.exit_code) from None
     except LightningSDKError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         console.print("interrupted; re-run with the same --output to resume")
         raise typer.Exit(130) from None
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    if before and after:
+    before, after = summary["eval_before"], summary["eval_after"]
+    if before["success_rate"] is not None and after["success_rate"] is not None:
         console.print(
             f"held-out success: {100 * before['success_rate']:.1f}% -> {100 * after['success_rate']:.1f}% "
             f"(n={after['n']}, {summary['eval_sampling']})"

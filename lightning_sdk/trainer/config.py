@@ -112,7 +112,7 @@ class TrainConfig(_Section):
     rl: RLConfig = Field(default_factory=RLConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port
+    port: int = Field(0, ge=0, le=65535)  # 0: a free port
     threads: int | None = None  # torch intra-op threads (default: torch's choice)
     metrics: list[str] = Field(default_factory=list)  # extra metrics backends: "wandb", "mlflow"
 

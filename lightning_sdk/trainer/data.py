@@ -22,10 +22,13 @@ def load_rows(config: TrainConfig, ref: str | None, what: str) -> list[dict[str,
         raise ConfigError(f"{what} is not set in the training config")
     resolved = config.resolve(ref)
     if ".py:" in resolved:
-        from lightning_sdk.agent._command import _import_path
+        from lightning_sdk.agent import import_path
 
         path, _, attr = resolved.partition(".py:")
-        module = _import_path(Path(path + ".py"))
+        try:
+            module = import_path(Path(path + ".py"))
+        except FileNotFoundError:
+            raise ConfigError(f"{what}: no file {path}.py") from None
         fn = getattr(module, attr, None)
         if not callable(fn):
             raise ConfigError(f"{what}: {path}.py has no function {attr!r}")

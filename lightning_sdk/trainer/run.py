@@ -7,6 +7,11 @@
 Evaluations run the user's agent code through the proxy on held-out tasks with the sampling settings of
 ``[eval]`` (greedy by default), written into ``summary.json``. A run directory that already holds a checkpoint is
 resumed (warm start and the first evaluation are not repeated).
+
+Stopping (``stop()`` turning true: the CLI's SIGINT/SIGTERM handler) is graceful and ordered: the warm start stops
+at its next supervised step or evaluation, an evaluation releases its in-flight attempts, the RL workers release
+theirs, the learner finishes the step it is in (and checkpoints it), and only then the proxy stops; the call raises
+``RunStopped``. Re-running with the same run directory resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +33,7 @@ import torch
 from lightning_sdk.agent import WorkerPool, load_agent, run_tasks
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.engines.embedded import EmbeddedEngine
-from lightning_sdk.errors import ConfigError
+from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer
 from lightning_sdk.policy.warm_start import WarmStartConfig, warm_start
@@ -34,14 +41,45 @@ from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
+from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon, bind_socket
 from lightning_sdk.trainer.data import load_rows
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
 from lightning_sdk.trainer.view import MetricsLog, ProgressView, plot_reward_curve
 
-__all__ = ["build_daemon", "prepare_policy", "run_daemon", "run_training"]
+__all__ = ["RunStopped", "build_daemon", "prepare_policy", "prepare_run_dir", "run_daemon", "run_training"]
 
 logger = logging.getLogger(__name__)
+
+#: ``eval_before`` / ``eval_after`` in ``summary.json`` when held-out evaluation is off (or never ran).
+NO_EVAL: dict[str, Any] = {"success_rate": None, "mean_reward": None, "n": 0}
+
+
+class RunStopped(TrainerError):
+    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step = step
+
+
+def _never() -> bool:
+    return False
+
+
+def prepare_run_dir(path: str | Path) -> Path:
+    """Create the run directory and check it is writable, up front: a clear ``ConfigError``, not a traceback after
+    minutes of set-up, when ``--output`` is an existing file or an unwritable place."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
+    return out
 
 
 def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict[str, Any]]) -> Path:
@@ -66,9 +104,14 @@ def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict
 
 
 def build_daemon(
-    config: TrainConfig, run_dir: Path, model_dir: Path, train_tasks: list[dict[str, Any]]
+    config: TrainConfig,
+    run_dir: Path,
+    model_dir: Path,
+    train_tasks: list[dict[str, Any]],
+    sock: socket.socket | None = None,
 ) -> TrainerDaemon:
-    """Store (SQLite in the run dir) + engine + learner + daemon for ``model_dir``."""
+    """Store (SQLite in the run dir) + engine + learner + daemon for ``model_dir``, serving on ``sock`` if given
+    (bound up front by ``bind_socket``), else on ``config.host:config.port``."""
     rl = config.rl
     model, tokenizer = load_policy(model_dir)
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=256)
@@ -102,20 +145,40 @@ def build_daemon(
         admin_key=secrets.token_urlsafe(24),
         host=config.host,
         port=config.port,
+        sock=sock,
     )
 
 
 async def _evaluate(
-    daemon: TrainerDaemon, agent: Agent, tasks: list[dict[str, Any]], split: str, sampling: dict[str, Any], workers: int
+    daemon: TrainerDaemon,
+    agent: Agent,
+    tasks: list[dict[str, Any]],
+    split: str,
+    sampling: dict[str, Any],
+    workers: int,
+    stop: Callable[[], bool] = _never,
 ) -> dict[str, Any]:
-    """Run the agent on ``tasks`` through the proxy with ``sampling`` forced; the ``eval_*`` entry of the summary."""
+    """Run the agent on ``tasks`` through the proxy with ``sampling`` forced; the ``eval_*`` entry of the summary.
+    When ``stop()`` turns true the in-flight attempts are released and ``RunStopped`` is raised."""
     previous = daemon.engine.sampling_override
     daemon.engine.sampling_override = dict(sampling)
+    pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=workers, split=split, poll_s=0.05)
+
+    async def watch() -> None:
+        while not stop():
+            await asyncio.sleep(0.05)
+        pool.stop(release=True)
+
+    watcher = asyncio.create_task(watch())
     try:
         t0 = time.perf_counter()
-        summary = await run_tasks(agent, daemon.store, daemon.url, tasks, n_workers=workers, split=split, poll_s=0.05)
+        summary = await run_tasks(agent, daemon.store, daemon.url, tasks, split=split, pool=pool, poll_s=0.05)
     finally:
+        watcher.cancel()
+        await pool.close()
         daemon.engine.sampling_override = previous
+    if stop():
+        raise RunStopped(daemon.step)
     out = summary.to_dict()
     out.pop("failed", None)
     out["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -129,9 +192,11 @@ async def _warm_start(
     demos: list[dict[str, Any]],
     val: list[dict[str, Any]],
     note: Callable[[str], None],
+    stop: Callable[[], bool] = _never,
 ) -> dict[str, Any]:
     """Supervised steps on the learner's model; every ``eval_every`` steps the engine gets the weights and the agent
-    is evaluated on ``val`` through the proxy (sampling as in ``[eval]``)."""
+    is evaluated on ``val`` through the proxy (sampling as in ``[eval]``). ``stop()`` turning true ends it at the next
+    forward pass or evaluation with ``RunStopped`` (nothing is checkpointed: a re-run warm-starts again)."""
     loop = asyncio.get_running_loop()
     ws, ev = config.warm_start, config.eval
     sampling = {"temperature": ev.temperature, "max_tokens": ev.max_tokens}
@@ -144,7 +209,7 @@ async def _warm_start(
 
         async def go() -> float:
             await daemon.engine.update_weights(state, daemon.version)
-            res = await _evaluate(daemon, agent, val, f"warmup-{rounds}", sampling, ev.workers)
+            res = await _evaluate(daemon, agent, val, f"warmup-{rounds}", sampling, ev.workers, stop)
             return float(res["success_rate"])
 
         success = asyncio.run_coroutine_threadsafe(go(), loop).result()
@@ -160,17 +225,47 @@ async def _warm_start(
         target_success=ws.target_success,
     )
     model = daemon.learner.model
-    result = await asyncio.to_thread(warm_start, model, daemon.engine.tokenizer, demos, evaluate, cfg)
+
+    def check_stop(module: torch.nn.Module, args: Any) -> None:  # runs in the warm-start thread before each forward
+        if stop():
+            raise RunStopped(daemon.step)
+
+    hook = model.register_forward_pre_hook(check_stop)
+    try:
+        result = await asyncio.to_thread(warm_start, model, daemon.engine.tokenizer, demos, evaluate, cfg)
+    finally:
+        hook.remove()
     daemon.learner.reset_optimizer()
     await daemon.engine.update_weights(daemon.learner.weights(), daemon.version)
     return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}
 
 
-async def run_training(config: TrainConfig, run_dir: str | Path, *, view: ProgressView | None = None) -> dict[str, Any]:
-    """Run the main job (see the module docstring); returns the summary written to ``RUN_DIR/summary.json``."""
+async def run_training(
+    config: TrainConfig,
+    run_dir: str | Path,
+    *,
+    view: ProgressView | None = None,
+    stop: Callable[[], bool] = _never,
+) -> dict[str, Any]:
+    """Run the main job (see the module docstring); returns the summary written to ``RUN_DIR/summary.json``.
+    Raises ``RunStopped`` when ``stop()`` turned true first (no summary then; the checkpoint resumes)."""
     t_start = time.perf_counter()
-    out = Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(run_dir)
+    sock = bind_socket(config.host, config.port)
+    try:
+        return await _run_training(config, out, sock, t_start, view, stop)
+    finally:
+        sock.close()
+
+
+async def _run_training(
+    config: TrainConfig,
+    out: Path,
+    sock: socket.socket,
+    t_start: float,
+    view: ProgressView | None,
+    stop: Callable[[], bool],
+) -> dict[str, Any]:
     (out / "config.json").write_text(config.model_dump_json(indent=2))
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -186,7 +281,7 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
 
     view.set_phase("building the policy")
     model_dir = prepare_policy(config, out, demos)
-    daemon = build_daemon(config, out, model_dir, train_tasks)
+    daemon = build_daemon(config, out, model_dir, train_tasks, sock)
     await daemon.start()
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
@@ -202,12 +297,12 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
                 if data.validation
                 else train_tasks[-config.warm_start.validation_tasks :]
             )
-            state["warm_start"] = await _warm_start(daemon, agent, config, demos, val, note)
+            state["warm_start"] = await _warm_start(daemon, agent, config, demos, val, note, stop)
             note(f"warm start: {state['warm_start']['steps']} steps, {state['warm_start']['wall_s']:.0f} s")
         if heldout and "eval_before" not in state:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (before)")
             state["eval_before"] = await _evaluate(
-                daemon, agent, heldout, "eval-before", eval_sampling, config.eval.workers
+                daemon, agent, heldout, "eval-before", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
         state_path.write_text(json.dumps(state))
@@ -228,12 +323,14 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
         deadline = t_start + config.rl.max_wall_s if config.rl.max_wall_s else None
         t_rl = time.perf_counter()
         try:
-            await daemon.train_steps(config.rl.steps, deadline=deadline, on_step=on_step)
+            await daemon.train_steps(config.rl.steps, deadline=deadline, on_step=on_step, stop=stop)
         finally:
             stopping = True
             pool.stop(release=True)
             await pool_task
             await pool.close()
+        if stop():
+            raise RunStopped(daemon.step)
         await daemon.flush_weights()
         rl_wall = time.perf_counter() - t_rl
         busy = daemon.learner_busy_s
@@ -242,13 +339,13 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
         if heldout:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (after)")
             state["eval_after"] = await _evaluate(
-                daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers
+                daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success after RL: {100 * state['eval_after']['success_rate']:.1f}%")
         model_out = out / "model"
         daemon.learner.model.save_pretrained(str(model_out))
         daemon.engine.tokenizer.save_pretrained(str(model_out))
-    finally:
+    finally:  # the workers are done (or released their attempts) by now: the proxy stops last
         metrics.close()
         await daemon.stop()
         await daemon.engine.close()
@@ -259,8 +356,8 @@ async def run_training(config: TrainConfig, run_dir: str | Path, *, view: Progre
     all_rows = _read_metrics(out / "metrics.jsonl")
     curve = plot_reward_curve(all_rows, out / "reward_curve.png", before=before, after=after)
     summary: dict[str, Any] = {
-        "eval_before": state.get("eval_before"),
-        "eval_after": state.get("eval_after"),
+        "eval_before": state.get("eval_before") or dict(NO_EVAL),
+        "eval_after": state.get("eval_after") or dict(NO_EVAL),
         "steps": daemon.step,
         "wall_s": round(time.perf_counter() - t_start, 2),
         "model_dir": str(model_out.resolve()),
@@ -290,16 +387,32 @@ async def run_daemon(
     admin_key: str | None = None,
     view: ProgressView | None = None,
     on_ready: Callable[[str, str], None] | None = None,
-    stop: Callable[[], bool] = lambda: False,
+    stop: Callable[[], bool] = _never,
 ) -> dict[str, Any]:
     """``lightning-sdk daemon``: serve the proxy and train on what external workers produce.
 
     Builds (and warm-starts, validating with the configured agent in process) the policy like ``run_training``,
     enqueues ``data.train`` tasks for the workers, then trains ``rl.steps`` steps; ``on_ready(url, admin_key)`` is
-    called once the proxy is up.
+    called as soon as the proxy listens (before the warm start). The port is bound first, so a bad or busy one
+    fails before the policy is built. Raises ``RunStopped`` when ``stop()`` turned true before the last step.
     """
-    out = Path(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(run_dir)
+    sock = bind_socket(config.host, config.port)
+    try:
+        return await _run_daemon(config, out, sock, admin_key, view, on_ready, stop)
+    finally:
+        sock.close()
+
+
+async def _run_daemon(
+    config: TrainConfig,
+    out: Path,
+    sock: socket.socket,
+    admin_key: str | None,
+    view: ProgressView | None,
+    on_ready: Callable[[str, str], None] | None,
+    stop: Callable[[], bool],
+) -> dict[str, Any]:
     if config.threads:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.rl.seed)
@@ -309,20 +422,20 @@ async def run_daemon(
     view = view or ProgressView(config.name, config.rl.steps)
     resumed = load_checkpoint(out) is not None
     model_dir = prepare_policy(config, out, demos)
-    daemon = build_daemon(config, out, model_dir, train_tasks)
+    daemon = build_daemon(config, out, model_dir, train_tasks, sock)
     if admin_key:
         daemon.admin_key = admin_key
     await daemon.start()
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
+    if on_ready is not None:
+        on_ready(daemon.url, daemon.admin_key)
     metrics = MetricsLog(out, backends=config.metrics, name=config.name)
     try:
-        if not resumed and config.warm_start.enabled and demos:
+        if not resumed and config.warm_start.enabled and demos and not stop():
             agent = load_agent(config.resolve(config.agent))
             val = load_rows(config, data.validation, "data.validation") if data.validation else train_tasks[-64:]
             view.set_phase("warm start")
-            await _warm_start(daemon, agent, config, demos, val, view.note)
-        if on_ready is not None:
-            on_ready(daemon.url, daemon.admin_key)
+            await _warm_start(daemon, agent, config, demos, val, view.note, stop)
         view.set_phase("waiting for workers")
 
         def on_step(report: StepReport) -> None:
@@ -330,6 +443,8 @@ async def run_daemon(
             view.step(report)
 
         await daemon.train_steps(config.rl.steps, on_step=on_step, stop=stop)
+        if daemon.step < config.rl.steps:
+            raise RunStopped(daemon.step)
         model_out = out / "model"
         daemon.learner.model.save_pretrained(str(model_out))
         daemon.engine.tokenizer.save_pretrained(str(model_out))

@@ -19,31 +19,8 @@ import pytest
 import torch
 
 from lightning_sdk.trainer.checkpoint import load_checkpoint
-from tests.trainer.tiny import EXAMPLE, ROOT, build_small_policy
-
-CLI = (
-    "import sys; from lightning_sdk.cli._app import app; "
-    "import lightning_sdk.cli.train_cmd, lightning_sdk.cli.daemon_cmd; sys.exit(app())"
-)
-
-
-def _write_config(path: Path, model: str, **sections: dict[str, object]) -> Path:
-    lines = [
-        f'agent = "{EXAMPLE / "agent.py"}:agent"',
-        "threads = 1",
-        "[data]",
-        f'train = "{EXAMPLE / "tasks.py"}:train_tasks"',
-        f'heldout = "{EXAMPLE / "tasks.py"}:heldout_tasks"',
-        f'demonstrations = "{EXAMPLE / "tasks.py"}:demonstrations"',
-        f'validation = "{EXAMPLE / "tasks.py"}:validation_tasks"',
-        "[policy]",
-        f'model = "{model}"',
-    ]
-    for name, values in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+from tests.trainer.tiny import CLI, EXAMPLE, ROOT, build_small_policy
+from tests.trainer.tiny import write_config as _write_config
 
 
 def _train(config: Path, out: Path) -> subprocess.Popen[bytes]:
@@ -148,6 +125,9 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_pa
 
     final = load_checkpoint(out)
     assert final is not None and final.step == steps
+    # held-out evaluation is off: the summary still holds eval objects, with nulls and n = 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_before"] == summary["eval_after"] == {"success_rate": None, "mean_reward": None, "n": 0}
     # Steps checkpointed before the kill kept their groups: nothing was retrained after the restart.
     for step in range(1, killed_at.step + 1):
         assert final.consumed[step] == killed_at.consumed[step]

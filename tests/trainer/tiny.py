@@ -6,6 +6,7 @@ Built from the calc example's demonstrations, like the default policy, only smal
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -41,3 +42,30 @@ def build_small_policy(out: Path, *, hidden: int = 32, layers: int = 2, seed: in
         vocab_size=400, hidden_size=hidden, num_layers=layers, num_heads=2, intermediate_size=64, seed=seed
     )
     return build_policy(out, corpus(), config)
+
+
+#: ``python -c CLI ARGS...`` runs ``lightning-sdk ARGS...`` with the trainer commands registered.
+CLI = (
+    "import sys; from lightning_sdk.cli._app import app; "
+    "import lightning_sdk.cli.train_cmd, lightning_sdk.cli.daemon_cmd; sys.exit(app())"
+)
+
+
+def write_config(path: Path, model: str, **sections: dict[str, object]) -> Path:
+    """A training config for the calc example with ``model`` as the policy and ``sections`` as overrides."""
+    lines = [
+        f'agent = "{EXAMPLE / "agent.py"}:agent"',
+        "threads = 1",
+        "[data]",
+        f'train = "{EXAMPLE / "tasks.py"}:train_tasks"',
+        f'heldout = "{EXAMPLE / "tasks.py"}:heldout_tasks"',
+        f'demonstrations = "{EXAMPLE / "tasks.py"}:demonstrations"',
+        f'validation = "{EXAMPLE / "tasks.py"}:validation_tasks"',
+        "[policy]",
+        f'model = "{model}"',
+    ]
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

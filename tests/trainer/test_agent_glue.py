@@ -1,0 +1,76 @@
+"""The agent-side pieces the trainer relies on: the public ``import_path`` (task generators named ``FILE.py:NAME``)
+and the worker's heartbeat/finish race being benign (a debug line, not a warning).
+
+The race test runs a real proxy app on loopback over a real SQLite store; the only wrapper holds the worker's
+heartbeat back until the attempt has finished, to make the race happen every time instead of by chance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import lightning_sdk.agent as la
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.trainer.config import TrainConfig
+from lightning_sdk.trainer.data import load_rows
+from tests.agent.stack import proxy_stack
+
+
+def test_import_path_is_public_and_feeds_load_rows(tmp_path: Path) -> None:
+    (tmp_path / "helper.py").write_text("BASE = 40\n")
+    (tmp_path / "gen.py").write_text("from helper import BASE\ndef rows():\n    return [{'x': BASE + 2}]\n")
+    module = la.import_path(tmp_path / "gen.py")
+    assert module.rows() == [{"x": 42}]
+    assert la.import_path(str(tmp_path / "gen.py")) is module  # imported once per path
+    config = TrainConfig(agent="a.py:agent", base_dir=tmp_path)
+    assert load_rows(config, "gen.py:rows", "data.train") == [{"x": 42}]
+    with pytest.raises(ConfigError, match=r"data.train: no file .*missing.py"):
+        load_rows(config, "missing.py:rows", "data.train")
+    with pytest.raises(ConfigError, match="has no function 'nope'"):
+        load_rows(config, "gen.py:nope", "data.train")
+
+
+class _LateHeartbeat:
+    """The real store, except that the first heartbeat of the "quick" task is delivered only after that attempt has
+    finished (the race); a slow second task keeps the pool, and so its heartbeat loop, running meanwhile."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.late: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Any:
+        attempt = await self._store.get_attempt(attempt_id)
+        detail = await self._store.get_rollout(attempt.rollout_id)
+        if detail.rollout.task.get("q") == "quick" and not self.late:
+            for _ in range(200):
+                if (await self._store.get_attempt(attempt_id)).status.value != "running":
+                    break
+                await asyncio.sleep(0.02)
+            self.late.append(attempt_id)
+        return await self._store.heartbeat(attempt_id, lease_s=lease_s)
+
+
+async def test_heartbeat_racing_the_finish_is_not_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    @la.rollout
+    async def agent(task: dict[str, str], llm: la.LLM) -> float:
+        await asyncio.sleep(0.2 if task["q"] == "quick" else 1.5)
+        return 1.0
+
+    caplog.set_level(logging.DEBUG, logger="lightning_sdk.agent.worker")
+    async with proxy_stack(tmp_path) as st:
+        store = _LateHeartbeat(st.store)
+        tasks = [{"q": "quick"}, {"q": "slow"}]
+        summary = await la.run_tasks(agent, store, st.url, tasks, n_workers=2, lease_s=5.0, heartbeat_s=0.05)
+    assert summary.succeeded == 2
+    assert store.late, "the heartbeat never raced the finish"
+    worker_records = [r for r in caplog.records if r.name == "lightning_sdk.agent.worker"]
+    assert not [r for r in worker_records if r.levelno >= logging.WARNING], [r.getMessage() for r in worker_records]
+    assert any("raced its finish" in r.getMessage() for r in worker_records if r.levelno == logging.DEBUG)
