@@ -48,6 +48,7 @@ class WarmStartResult:
     success: float
     history: list[tuple[int, float]]
     wall_s: float
+    stopped: bool = False  # ``should_stop`` ended it before the target or ``max_steps``
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any, gen: bool) -> list[int]:
@@ -87,10 +88,13 @@ def warm_start(
     demonstrations: Sequence[dict[str, Any]],
     evaluate: Callable[[PreTrainedModel], float],
     config: WarmStartConfig | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> WarmStartResult:
     """Supervised steps on ``demonstrations`` (``{"messages", "tools"}``) until ``evaluate(model)`` reaches the target.
 
     ``evaluate`` returns a success rate in [0, 1]; it is called every ``eval_every`` steps on the model in eval mode.
+    ``should_stop`` is asked before every supervised step; once it answers true the warm start ends there with
+    ``stopped=True`` in the result (the caller decides what a stop means).
     """
     cfg = config or WarmStartConfig()
     t0 = time.perf_counter()
@@ -103,7 +107,12 @@ def warm_start(
     history: list[tuple[int, float]] = []
     success = 0.0
     step = 0
+    stopped = False
     while step < cfg.max_steps:
+        if should_stop is not None and should_stop():
+            stopped = True
+            logger.info("warm start stopped at step %d", step)
+            break
         model.train()
         chosen = rng.sample(rows, min(cfg.batch_size, len(rows)))
         width = max(len(ids) for ids, _ in chosen)
@@ -130,4 +139,6 @@ def warm_start(
             if success >= cfg.target_success:
                 break
     model.eval()  # type: ignore[no-untyped-call]
-    return WarmStartResult(steps=step, success=success, history=history, wall_s=time.perf_counter() - t0)
+    return WarmStartResult(
+        steps=step, success=success, history=history, wall_s=time.perf_counter() - t0, stopped=stopped
+    )

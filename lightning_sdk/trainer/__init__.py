@@ -3,6 +3,8 @@
 - ``Learner`` / ``LearnerConfig`` / ``TrainBatch``: one PPO-clip/GRPO update per step on a local torch model.
 - ``get_policy_loss`` / ``register_policy_loss``: losses by name (``ppo_clip`` equals verl's vanilla loss).
 - ``TrainerDaemon``: store + proxy + embedded engine + learner in one asyncio process, exactly-once resume.
+- ``build_parts`` / ``Parts``: the engine and learner of ``backend`` / ``[engine]`` (embedded or verl; embedded,
+  SGLang or vLLM), built in one place.
 - ``run_training`` / ``run_daemon``: what ``lightning-sdk train`` and ``lightning-sdk daemon`` run.
 
 See docs/training.md.
@@ -11,6 +13,7 @@ See docs/training.md.
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.config import TrainConfig, load_train_config
 from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
+from lightning_sdk.trainer.factory import Parts, build_parts
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names, register_policy_loss
 
@@ -19,10 +22,12 @@ __all__ = [
     "Learner",
     "LearnerConfig",
     "LossSettings",
+    "Parts",
     "StepReport",
     "TrainBatch",
     "TrainConfig",
     "TrainerDaemon",
+    "build_parts",
     "get_policy_loss",
     "load_checkpoint",
     "load_train_config",

@@ -14,12 +14,16 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_sdk.errors import ConfigError
 
 __all__ = [
+    "BACKENDS",
+    "ENGINE_KINDS",
+    "VERL_LAUNCH_KEYS",
     "DataConfig",
+    "EngineConfig",
     "EvalConfig",
     "PolicyConfig",
     "RLConfig",
@@ -102,6 +106,44 @@ class EvalConfig(_Section):
     workers: int = 64
 
 
+#: ``backend``: who does the policy update (the embedded torch ``Learner``, or verl's FSDP workers).
+BACKENDS = ("embedded", "verl")
+#: ``[engine] kind``: who serves the policy to the proxy.
+ENGINE_KINDS = ("embedded", "sglang", "vllm")
+#: keys of ``[verl]`` read by the factory (how verl's ranks start), not passed to ``VerlConfig``.
+VERL_LAUNCH_KEYS = ("use_ray", "ray_address", "ray_num_cpus")
+
+
+class EngineConfig(_Section):
+    """Who serves the policy: the in-process embedded engine, or SGLang/vLLM servers (``urls`` of running ones, or
+    ``launch = true`` to start them with ``lightning_sdk.engines.launch`` on ``model_path``, default the policy)."""
+
+    kind: str = "embedded"
+    urls: list[str] = Field(default_factory=list)
+    launch: bool = False
+    model_path: str | None = None
+    gpus: list[list[int]] = Field(default_factory=list)  # launch: one server per GPU group (tensor parallel within)
+    extra_args: list[str] = Field(default_factory=list)  # launch: appended to the server's command line
+    max_batch_size: int = 256  # embedded only
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, value: str) -> str:
+        if value not in ENGINE_KINDS:
+            raise ValueError(f"engine.kind {value!r} is not one of {', '.join(ENGINE_KINDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _servers(self) -> EngineConfig:
+        if self.kind == "embedded" and (self.urls or self.launch):
+            raise ValueError("engine.urls / engine.launch are for kind 'sglang' or 'vllm', not 'embedded'")
+        if self.kind != "embedded" and not self.urls and not self.launch:
+            raise ValueError(f"engine.kind {self.kind!r} needs engine.urls (running servers) or engine.launch = true")
+        if self.urls and self.launch:
+            raise ValueError("engine.urls and engine.launch = true exclude each other")
+        return self
+
+
 class TrainConfig(_Section):
     agent: str
     name: str = "run"
@@ -111,10 +153,41 @@ class TrainConfig(_Section):
     warm_start: WarmStartSettings = Field(default_factory=WarmStartSettings)
     rl: RLConfig = Field(default_factory=RLConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    backend: str = "embedded"
+    verl: dict[str, Any] = Field(default_factory=dict)  # VerlConfig fields (model_dir excepted) + VERL_LAUNCH_KEYS
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0: a free port
     threads: int | None = None  # torch intra-op threads (default: torch's choice)
     metrics: list[str] = Field(default_factory=list)  # extra metrics backends: "wandb", "mlflow"
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(f"backend {value!r} is not one of {', '.join(BACKENDS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _verl_section(self) -> TrainConfig:
+        """The ``[verl]`` keys are checked here, at load time, against ``VerlConfig`` (which needs no verl import)."""
+        if self.verl and self.backend != "verl":
+            raise ValueError("a [verl] section needs backend = 'verl'")
+        if self.backend == "verl":
+            from lightning_sdk.trainer.verl.config import VerlConfig
+
+            keys = {k: v for k, v in self.verl.items() if k not in VERL_LAUNCH_KEYS}
+            if "model_dir" in keys:
+                raise ValueError("verl.model_dir is set by the trainer (policy.model, warm-started); remove it")
+            if "temperature" in keys and keys["temperature"] != self.rl.temperature:
+                raise ValueError("verl.temperature must equal rl.temperature (the sampling temperature); leave it out")
+            try:
+                VerlConfig.model_validate({"model_dir": "", **keys})
+            except ValidationError as exc:
+                names = ", ".join(n for n in VerlConfig.model_fields if n != "model_dir")
+                errors = "; ".join(f"verl.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                raise ValueError(f"{errors} (valid keys: {names}, {', '.join(VERL_LAUNCH_KEYS)})") from None
+        return self
 
     def resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""

@@ -21,6 +21,10 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
    learner does not wait for that). See ``checkpoint.py`` for why this order makes a
    killed daemon resume with no group trained twice and none lost.
 
+The engine and learner are whatever ``factory.build_parts`` made of the config (the embedded ones above, or verl's
+FSDP ranks behind ``VerlLearner`` and SGLang/vLLM servers); ``weights()`` is what the engine gets after a step (a
+state dict, or a checkpoint directory for a server), so this loop never asks which backend it runs.
+
 The daemon also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
 enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding.
 """
@@ -35,19 +39,21 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import uvicorn
 
-from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.store.base import FinishedGroup, Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from lightning_sdk.trainer.learner import Learner, TrainBatch
+from lightning_sdk.trainer.learner import TrainBatch
 from lightning_sdk.types import PolicyVersion, Resource
+
+if TYPE_CHECKING:
+    from lightning_sdk.trainer.factory import LearnerLike, ServingEngine
 
 __all__ = ["StepReport", "TrainerDaemon", "bind_socket", "free_port", "group_version"]
 
@@ -129,10 +135,11 @@ class TrainerDaemon:
     def __init__(
         self,
         store: Store,
-        engine: EmbeddedEngine,
-        learner: Learner,
+        engine: ServingEngine,
+        learner: LearnerLike,
         run_dir: str | Path,
         *,
+        weights: Callable[[], Any] | None = None,
         train_tasks: Sequence[dict[str, Any]] = (),
         tasks_per_step: int = 16,
         samples_per_task: int = 8,
@@ -148,6 +155,8 @@ class TrainerDaemon:
         self.store = store
         self.engine = engine
         self.learner = learner
+        # what engine.update_weights gets (a state dict, or a checkpoint directory for a server): see factory.py
+        self.weights: Callable[[], Any] = weights or learner.weights
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.train_tasks = list(train_tasks)
@@ -169,7 +178,7 @@ class TrainerDaemon:
         self.learner_busy_s = 0.0
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
-        self._next_weights: tuple[dict[str, torch.Tensor], int] | None = None
+        self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
 
     @property
@@ -226,7 +235,7 @@ class TrainerDaemon:
         self.step, self.version, self.next_task, self.consumed = ckpt.step, ckpt.version, ckpt.next_task, ckpt.consumed
         if ckpt.step in ckpt.consumed:  # the crash may have hit between the checkpoint and the store update
             await self.store.consume_groups(ckpt.step, ckpt.groups_of(ckpt.step))
-        await self.engine.update_weights(self.learner.weights(), self.version)
+        await self.engine.update_weights(await asyncio.to_thread(self.weights), self.version)
         await self.store.publish_version(PolicyVersion(version=self.version, step=self.step))
         logger.info("resumed from step %d (policy version %d)", self.step, self.version)
 
@@ -300,7 +309,7 @@ class TrainerDaemon:
         self.step = step
         if new_version != self.version:
             self.version = new_version
-            self._publish(self.learner.weights(), new_version)
+            self._publish(await asyncio.to_thread(self.weights), new_version)
             await self.store.publish_version(PolicyVersion(version=new_version, step=step))
         self.dropped_total += len(stale)
         counts = await self.store.counts()
@@ -324,7 +333,7 @@ class TrainerDaemon:
             metrics=metrics,
         )
 
-    def _publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def _publish(self, weights: Any, version: int) -> None:
         """Hand new weights to the engine without waiting: the swap waits for the engine's running batch, and the
         learner should not. Only the newest pending weights are swapped in."""
         self._next_weights = (weights, version)

@@ -4,6 +4,9 @@
       ─▶ warm start (supervised, stopped on measured success through the proxy) ─▶ held-out eval (before)
       ─▶ RL: in-process agent workers + the async training loop ─▶ held-out eval (after) ─▶ model + summary
 
+The engine and learner come from ``factory.build_parts`` (``backend``: embedded or verl; ``[engine]``: embedded,
+SGLang or vLLM); evaluation and the warm start live in ``phases.py``.
+
 Evaluations run the user's agent code through the proxy on held-out tasks with the sampling settings of
 ``[eval]`` (greedy by default), written into ``summary.json``. A run directory that already holds a checkpoint is
 resumed (warm start and the first evaluation are not repeated).
@@ -17,7 +20,6 @@ theirs, the learner finishes the step it is in (and checkpoints it), and only th
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import os
@@ -30,20 +32,18 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.agent import WorkerPool, load_agent, run_tasks
-from lightning_sdk.agent._base import Agent
-from lightning_sdk.engines.embedded import EmbeddedEngine
-from lightning_sdk.errors import ConfigError, TrainerError
-from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
+from lightning_sdk.agent import WorkerPool, load_agent
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer
-from lightning_sdk.policy.warm_start import WarmStartConfig, warm_start
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon, bind_socket
 from lightning_sdk.trainer.data import load_rows
-from lightning_sdk.trainer.learner import Learner, LearnerConfig
+from lightning_sdk.trainer.factory import Parts, build_parts, check_warm_start
+from lightning_sdk.trainer.phases import RunStopped, evaluate, never, warm_start_phase
 from lightning_sdk.trainer.view import MetricsLog, ProgressView, plot_reward_curve
 
 __all__ = ["RunStopped", "build_daemon", "prepare_policy", "prepare_run_dir", "run_daemon", "run_training"]
@@ -52,18 +52,6 @@ logger = logging.getLogger(__name__)
 
 #: ``eval_before`` / ``eval_after`` in ``summary.json`` when held-out evaluation is off (or never ran).
 NO_EVAL: dict[str, Any] = {"success_rate": None, "mean_reward": None, "n": 0}
-
-
-class RunStopped(TrainerError):
-    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"stopped at step {step}")
-        self.step = step
-
-
-def _never() -> bool:
-    return False
 
 
 def prepare_run_dir(path: str | Path) -> Path:
@@ -109,33 +97,20 @@ def build_daemon(
     model_dir: Path,
     train_tasks: list[dict[str, Any]],
     sock: socket.socket | None = None,
-) -> TrainerDaemon:
-    """Store (SQLite in the run dir) + engine + learner + daemon for ``model_dir``, serving on ``sock`` if given
-    (bound up front by ``bind_socket``), else on ``config.host:config.port``."""
+) -> tuple[TrainerDaemon, Parts]:
+    """Store (SQLite in the run dir) + the engine and learner of ``config.backend`` / ``config.engine``
+    (``factory.build_parts``) + daemon for ``model_dir``, serving on ``sock`` if given (bound up front by
+    ``bind_socket``), else on ``config.host:config.port``. Close the parts after the daemon stopped."""
     rl = config.rl
-    model, tokenizer = load_policy(model_dir)
-    engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=256)
-    learner = Learner(
-        model,
-        LearnerConfig(
-            lr=rl.lr,
-            warmup_steps=rl.warmup_steps,
-            grad_clip=rl.grad_clip,
-            clip_ratio_low=rl.clip_ratio,
-            clip_ratio_high=rl.clip_ratio,
-            tis_cap=rl.tis_cap,
-            kl_coef=rl.kl_coef,
-            temperature=rl.temperature,
-            micro_batch_tokens=rl.micro_batch_tokens,
-        ),
-    )
+    parts = build_parts(config, run_dir, model_dir)
     store = open_store(run_dir / "store.db")
     records = RecordsConfig(advantage=AdvantageConfig(estimator=rl.estimator, drop_zero_variance=rl.drop_zero_variance))
-    return TrainerDaemon(
+    daemon = TrainerDaemon(
         store,
-        engine,
-        learner,
+        parts.engine,
+        parts.learner,
         run_dir,
+        weights=parts.weights,
         train_tasks=train_tasks,
         tasks_per_step=rl.tasks_per_step,
         samples_per_task=rl.samples_per_task,
@@ -147,97 +122,7 @@ def build_daemon(
         port=config.port,
         sock=sock,
     )
-
-
-async def _evaluate(
-    daemon: TrainerDaemon,
-    agent: Agent,
-    tasks: list[dict[str, Any]],
-    split: str,
-    sampling: dict[str, Any],
-    workers: int,
-    stop: Callable[[], bool] = _never,
-) -> dict[str, Any]:
-    """Run the agent on ``tasks`` through the proxy with ``sampling`` forced; the ``eval_*`` entry of the summary.
-    When ``stop()`` turns true the in-flight attempts are released and ``RunStopped`` is raised."""
-    previous = daemon.engine.sampling_override
-    daemon.engine.sampling_override = dict(sampling)
-    pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=workers, split=split, poll_s=0.05)
-
-    async def watch() -> None:
-        while not stop():
-            await asyncio.sleep(0.05)
-        pool.stop(release=True)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        t0 = time.perf_counter()
-        summary = await run_tasks(agent, daemon.store, daemon.url, tasks, split=split, pool=pool, poll_s=0.05)
-    finally:
-        watcher.cancel()
-        await pool.close()
-        daemon.engine.sampling_override = previous
-    if stop():
-        raise RunStopped(daemon.step)
-    out = summary.to_dict()
-    out.pop("failed", None)
-    out["wall_s"] = round(time.perf_counter() - t0, 2)
-    return out
-
-
-async def _warm_start(
-    daemon: TrainerDaemon,
-    agent: Agent,
-    config: TrainConfig,
-    demos: list[dict[str, Any]],
-    val: list[dict[str, Any]],
-    note: Callable[[str], None],
-    stop: Callable[[], bool] = _never,
-) -> dict[str, Any]:
-    """Supervised steps on the learner's model; every ``eval_every`` steps the engine gets the weights and the agent
-    is evaluated on ``val`` through the proxy (sampling as in ``[eval]``). ``stop()`` turning true ends it at the next
-    forward pass or evaluation with ``RunStopped`` (nothing is checkpointed: a re-run warm-starts again)."""
-    loop = asyncio.get_running_loop()
-    ws, ev = config.warm_start, config.eval
-    sampling = {"temperature": ev.temperature, "max_tokens": ev.max_tokens}
-    rounds = 0
-
-    def evaluate(model: torch.nn.Module) -> float:
-        nonlocal rounds
-        rounds += 1
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-        async def go() -> float:
-            await daemon.engine.update_weights(state, daemon.version)
-            res = await _evaluate(daemon, agent, val, f"warmup-{rounds}", sampling, ev.workers, stop)
-            return float(res["success_rate"])
-
-        success = asyncio.run_coroutine_threadsafe(go(), loop).result()
-        note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
-        return success
-
-    cfg = WarmStartConfig(
-        lr=ws.lr,
-        batch_size=ws.batch_size,
-        max_steps=ws.max_steps,
-        eval_every=ws.eval_every,
-        eval_below_loss=ws.eval_below_loss,
-        target_success=ws.target_success,
-    )
-    model = daemon.learner.model
-
-    def check_stop(module: torch.nn.Module, args: Any) -> None:  # runs in the warm-start thread before each forward
-        if stop():
-            raise RunStopped(daemon.step)
-
-    hook = model.register_forward_pre_hook(check_stop)
-    try:
-        result = await asyncio.to_thread(warm_start, model, daemon.engine.tokenizer, demos, evaluate, cfg)
-    finally:
-        hook.remove()
-    daemon.learner.reset_optimizer()
-    await daemon.engine.update_weights(daemon.learner.weights(), daemon.version)
-    return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}
+    return daemon, parts
 
 
 async def run_training(
@@ -245,7 +130,7 @@ async def run_training(
     run_dir: str | Path,
     *,
     view: ProgressView | None = None,
-    stop: Callable[[], bool] = _never,
+    stop: Callable[[], bool] = never,
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the summary written to ``RUN_DIR/summary.json``.
     Raises ``RunStopped`` when ``stop()`` turned true first (no summary then; the checkpoint resumes)."""
@@ -279,9 +164,10 @@ async def _run_training(
     note = view.note
     resumed = load_checkpoint(out) is not None
 
+    check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
     view.set_phase("building the policy")
     model_dir = prepare_policy(config, out, demos)
-    daemon = build_daemon(config, out, model_dir, train_tasks, sock)
+    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock)
     await daemon.start()
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
@@ -297,11 +183,12 @@ async def _run_training(
                 if data.validation
                 else train_tasks[-config.warm_start.validation_tasks :]
             )
-            state["warm_start"] = await _warm_start(daemon, agent, config, demos, val, note, stop)
+            assert parts.model is not None  # check_warm_start: only the embedded backend warm-starts
+            state["warm_start"] = await warm_start_phase(daemon, agent, config, demos, val, note, parts.model, stop)
             note(f"warm start: {state['warm_start']['steps']} steps, {state['warm_start']['wall_s']:.0f} s")
         if heldout and "eval_before" not in state:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (before)")
-            state["eval_before"] = await _evaluate(
+            state["eval_before"] = await evaluate(
                 daemon, agent, heldout, "eval-before", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
@@ -338,17 +225,16 @@ async def _run_training(
 
         if heldout:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (after)")
-            state["eval_after"] = await _evaluate(
+            state["eval_after"] = await evaluate(
                 daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success after RL: {100 * state['eval_after']['success_rate']:.1f}%")
         model_out = out / "model"
-        daemon.learner.model.save_pretrained(str(model_out))
-        daemon.engine.tokenizer.save_pretrained(str(model_out))
+        await asyncio.to_thread(parts.save_model, model_out)
     finally:  # the workers are done (or released their attempts) by now: the proxy stops last
         metrics.close()
         await daemon.stop()
-        await daemon.engine.close()
+        await parts.close()
         await daemon.store.close()
 
     before = state.get("eval_before", {}).get("success_rate")
@@ -387,7 +273,7 @@ async def run_daemon(
     admin_key: str | None = None,
     view: ProgressView | None = None,
     on_ready: Callable[[str, str], None] | None = None,
-    stop: Callable[[], bool] = _never,
+    stop: Callable[[], bool] = never,
 ) -> dict[str, Any]:
     """``lightning-sdk daemon``: serve the proxy and train on what external workers produce.
 
@@ -421,8 +307,9 @@ async def _run_daemon(
     demos = load_rows(config, data.demonstrations, "data.demonstrations") if data.demonstrations else []
     view = view or ProgressView(config.name, config.rl.steps)
     resumed = load_checkpoint(out) is not None
+    check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
     model_dir = prepare_policy(config, out, demos)
-    daemon = build_daemon(config, out, model_dir, train_tasks, sock)
+    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock)
     if admin_key:
         daemon.admin_key = admin_key
     await daemon.start()
@@ -435,7 +322,8 @@ async def _run_daemon(
             agent = load_agent(config.resolve(config.agent))
             val = load_rows(config, data.validation, "data.validation") if data.validation else train_tasks[-64:]
             view.set_phase("warm start")
-            await _warm_start(daemon, agent, config, demos, val, view.note, stop)
+            assert parts.model is not None  # check_warm_start: only the embedded backend warm-starts
+            await warm_start_phase(daemon, agent, config, demos, val, view.note, parts.model, stop)
         view.set_phase("waiting for workers")
 
         def on_step(report: StepReport) -> None:
@@ -446,11 +334,10 @@ async def _run_daemon(
         if daemon.step < config.rl.steps:
             raise RunStopped(daemon.step)
         model_out = out / "model"
-        daemon.learner.model.save_pretrained(str(model_out))
-        daemon.engine.tokenizer.save_pretrained(str(model_out))
+        await asyncio.to_thread(parts.save_model, model_out)
     finally:
         metrics.close()
         await daemon.stop()
-        await daemon.engine.close()
+        await parts.close()
         await daemon.store.close()
     return {"steps": daemon.step, "model_dir": str((out / "model").resolve()), "url": daemon.url}

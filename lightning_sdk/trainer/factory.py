@@ -1,0 +1,303 @@
+"""The one place that turns a ``TrainConfig`` into the training parts: who serves the policy, who updates it, and
+what the serving engine is handed after each update.
+
+    backend  ─▶ learner    embedded: ``Learner`` (torch, in process)  | verl: ``VerlLearner`` (verl's FSDP ranks)
+    engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
+    both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
+
+The daemon only sees ``Parts``: it calls ``learner.step``, ``weights()`` and ``engine.update_weights`` and never
+asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the trainer
+needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.errors import ConfigError
+from lightning_sdk.trainer.config import VERL_LAUNCH_KEYS, TrainConfig
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch
+
+__all__ = [
+    "LearnerLike",
+    "Parts",
+    "ServedEngine",
+    "ServingEngine",
+    "build_parts",
+    "check_warm_start",
+    "verl_config",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class ServingEngine(Engine, Protocol):
+    """An ``Engine`` plus what the trainer uses: the tokenizer, a sampling override (RL and evaluation fix the
+    temperature and cap ``max_tokens``) and ``stats["tokens"]`` (tokens generated so far)."""
+
+    sampling_override: dict[str, Any] | None
+    stats: dict[str, int]
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+
+class LearnerLike(Protocol):
+    """What the daemon asks of a learner (``Learner`` and ``VerlLearner`` both are one)."""
+
+    steps: int
+
+    def step(self, batch: TrainBatch) -> dict[str, float]: ...
+
+    def weights(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
+    update = dict(override)
+    if "max_tokens" in update:
+        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
+    return sampling.model_copy(update=update)
+
+
+class ServedEngine:
+    """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
+
+    def __init__(self, inner: Engine, tokenizer: PreTrainedTokenizerBase, servers: Sequence[Any] = ()) -> None:
+        self.inner = inner
+        self._tokenizer = tokenizer
+        self._servers = list(servers)
+        self.sampling_override: dict[str, Any] | None = None
+        self.stats: dict[str, int] = {"tokens": 0, "requests": 0}
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    def _sampling(self, sampling: Sampling) -> Sampling:
+        return _override(sampling, self.sampling_override) if self.sampling_override else sampling
+
+    async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
+        self.stats["requests"] += 1
+        gen = await self.inner.generate(input_ids, self._sampling(sampling), session_id=session_id)
+        self.stats["tokens"] += len(gen.completion_ids)
+        return gen
+
+    def stream(
+        self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        return self._stream(input_ids, sampling, session_id)
+
+    async def _stream(
+        self, input_ids: list[int], sampling: Sampling, session_id: str | None
+    ) -> AsyncIterator[GenerationDelta]:
+        self.stats["requests"] += 1
+        async for delta in self.inner.stream(input_ids, self._sampling(sampling), session_id=session_id):
+            self.stats["tokens"] += len(delta.ids)
+            yield delta
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        await self.inner.update_weights(source, version)
+
+    async def close(self) -> None:
+        await self.inner.close()
+        self.stop_servers()
+
+    def stop_servers(self) -> None:
+        """Stop the servers this engine launched (none when it was given ``urls``)."""
+        for server in self._servers:
+            server.stop()
+        self._servers = []
+
+
+@dataclass
+class Parts:
+    """What ``build_parts`` made. ``weights()`` is what ``engine.update_weights`` gets after a step (run it off the
+    event loop: it may write a checkpoint); ``model`` is the torch model a warm start trains (None: the backend
+    keeps its weights elsewhere, so no warm start)."""
+
+    engine: ServingEngine
+    learner: LearnerLike
+    weights: Callable[[], Any]
+    save_model: Callable[[Path], None]
+    model: PreTrainedModel | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        """Close the engine (and the servers it launched), then shut the backend down."""
+        await self.engine.close()
+        for close in self.closers:
+            close()
+
+
+def verl_config(config: TrainConfig, model_dir: Path) -> Any:
+    """The ``VerlConfig`` of ``backend: verl``: the ``[rl]`` settings the embedded learner would use, then the
+    ``[verl]`` section on top (launch keys excepted), with the policy directory as ``model_dir``."""
+    from lightning_sdk.trainer.verl.config import VerlConfig
+
+    rl = config.rl
+    base: dict[str, Any] = {
+        "lr": rl.lr,
+        "grad_clip": rl.grad_clip,
+        "clip_ratio_low": rl.clip_ratio,
+        "clip_ratio_high": rl.clip_ratio,
+        "tis_threshold": rl.tis_cap,
+        "kl_coef": rl.kl_coef,
+        "temperature": rl.temperature,
+        "micro_batch_tokens": rl.micro_batch_tokens,
+    }
+    ours = {k: v for k, v in config.verl.items() if k not in VERL_LAUNCH_KEYS}
+    return VerlConfig.model_validate({**base, **ours, "model_dir": str(model_dir)})
+
+
+def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
+    from lightning_sdk.engines import launch
+
+    ec = config.engine
+    servers: list[Any] = []
+    urls = list(ec.urls)
+    if ec.launch:
+        path = config.resolve(ec.model_path) if ec.model_path else str(model_dir)
+        launcher = launch.launch_sglang if ec.kind == "sglang" else launch.launch_vllm
+        gpus = ec.gpus or [[0]]
+        servers = launch.launch_many(launcher, path, gpus=gpus, extra_args=ec.extra_args)
+        urls = [s.url for s in servers]
+    inner: Engine
+    if ec.kind == "sglang":
+        from lightning_sdk.engines.sglang import SGLangEngine
+
+        inner = SGLangEngine(urls)
+    else:
+        from lightning_sdk.engines.vllm import VLLMEngine
+
+        inner = VLLMEngine(urls)
+    logger.info("policy served by %s at %s", ec.kind, ", ".join(urls))
+    return ServedEngine(inner, tokenizer, servers)
+
+
+def _disk_weights(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path) -> Callable[[], str]:
+    """``weights()`` of the embedded learner for a remote engine: an HF checkpoint per published version."""
+    count = 0
+
+    def write() -> str:
+        nonlocal count
+        count += 1
+        out = root / f"v{count:06d}"
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+        return str(out)
+
+    return write
+
+
+def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
+    """Engine + learner + weight publishing for ``model_dir`` as ``config.backend`` and ``config.engine`` say."""
+    from lightning_sdk.policy.model import load_policy
+
+    remote = config.engine.kind != "embedded"
+    model, tokenizer = load_policy(model_dir)
+    engine: ServingEngine
+    if remote:
+        engine = _remote_engine(config, model_dir, tokenizer)
+    else:
+        from lightning_sdk.engines.embedded import EmbeddedEngine
+
+        # the engine serves a copy of the policy; the embedded learner trains the original
+        engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=config.engine.max_batch_size)
+    if config.backend == "verl":
+        try:
+            return _verl_parts(config, run_dir, model_dir, engine, tokenizer, remote)
+        except BaseException:
+            if isinstance(engine, ServedEngine):
+                engine.stop_servers()
+            raise
+    learner = Learner(model, _learner_config(config))
+    weights: Callable[[], Any] = _disk_weights(model, tokenizer, run_dir / "weights") if remote else learner.weights
+
+    def save(out: Path) -> None:
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+
+    return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model)
+
+
+def _learner_config(config: TrainConfig) -> LearnerConfig:
+    rl = config.rl
+    return LearnerConfig(
+        lr=rl.lr,
+        warmup_steps=rl.warmup_steps,
+        grad_clip=rl.grad_clip,
+        clip_ratio_low=rl.clip_ratio,
+        clip_ratio_high=rl.clip_ratio,
+        tis_cap=rl.tis_cap,
+        kl_coef=rl.kl_coef,
+        temperature=rl.temperature,
+        micro_batch_tokens=rl.micro_batch_tokens,
+    )
+
+
+def _verl_parts(
+    config: TrainConfig,
+    run_dir: Path,
+    model_dir: Path,
+    engine: ServingEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    remote: bool,
+) -> Parts:
+    from lightning_sdk.trainer.verl.adapter import VerlLearner
+    from lightning_sdk.trainer.verl.backend import VerlBackend
+
+    launch = {k: v for k, v in config.verl.items() if k in VERL_LAUNCH_KEYS}
+    pad = tokenizer.pad_token_id
+    backend = VerlBackend(
+        verl_config(config, model_dir),
+        ray_address=launch.get("ray_address"),
+        ray_num_cpus=launch.get("ray_num_cpus"),
+        use_ray=bool(launch.get("use_ray", True)),
+        publish_dir=run_dir / "weights",
+        pad_id=int(pad) if pad is not None else 0,
+    )
+    learner = VerlLearner(backend)
+
+    def on_disk() -> str:
+        return str(backend.save_weights())
+
+    def save(out: Path) -> None:
+        backend.ranks.call_all("save_hf", str(out))
+        tokenizer.save_pretrained(str(out))
+
+    return Parts(
+        engine=engine,
+        learner=learner,
+        weights=on_disk if remote else learner.weights,
+        save_model=save,
+        model=None,
+        closers=[backend.shutdown],
+    )
+
+
+def check_warm_start(config: TrainConfig, will_warm_start: bool) -> None:
+    """A warm start trains a torch model in this process: only ``backend: embedded`` has one. Checked before
+    anything is built, so the error comes at once."""
+    if will_warm_start and config.backend != "embedded":
+        raise ConfigError(
+            f"warm_start needs backend 'embedded' (backend {config.backend!r} trains elsewhere): "
+            "set [warm_start] enabled = false, or warm-start with the embedded backend first and point "
+            "policy.model at its run's model/ directory"
+        )
