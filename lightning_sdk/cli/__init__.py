@@ -5,8 +5,10 @@ Each command lives in its own ``*_cmd`` module and registers itself on the share
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 
 from lightning_sdk.cli._app import app
 
@@ -18,8 +20,26 @@ def _register() -> None:
     from lightning_sdk.cli import daemon_cmd, proxy_cmd, records_cmd, run_cmd, train_cmd  # noqa: F401
 
 
+def _limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas unless the user set ``MALLOC_ARENA_MAX``.
+
+    The trainer frees and reallocates differently shaped tensors from many threads (engine batches, learner
+    micro-batches, workers); with glibc's default of 8 arenas per core the freed memory stays spread over arenas and
+    the resident size of ``lightning-sdk train`` on the calc example grew to 6 GB after 12 RL steps. Two arenas
+    measured 3 GB at the same speed. Must run before threads start (arenas are created lazily)."""
+    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...): nothing to tune
+        return
+    m_arena_max = -8  # from glibc's malloc.h
+    libc.mallopt(m_arena_max, arenas)
+
+
 def main() -> None:
     """Entry point of the ``lightning-sdk`` console script."""
+    _limit_malloc_arenas()
     logging.basicConfig(
         level=os.environ.get("LIGHTNING_SDK_LOG_LEVEL", "WARNING").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
