@@ -15,11 +15,6 @@ import pytest
 
 from tests.trainer.tiny import EXAMPLE, ROOT
 
-CLI = (
-    "import sys; from lightning_sdk.cli._app import app; "
-    "import lightning_sdk.cli.train_cmd, lightning_sdk.cli.daemon_cmd; sys.exit(app())"
-)
-
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
@@ -28,7 +23,7 @@ def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", CLI, "train", str(EXAMPLE), "--output", str(out)],
+        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
         cwd=str(ROOT),
         env=env,
         capture_output=True,
