@@ -23,8 +23,7 @@ temperature.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -32,11 +31,15 @@ import orjson
 
 from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
 from lightning_sdk.engines.pool import RemoteEngine
+from lightning_sdk.engines.vllm_extension import DiskReloadExtension
 from lightning_sdk.errors import EngineError
 
 __all__ = ["DiskReloadExtension", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+#: the worker extension as ``launch.launch_vllm`` installs it (``vllm_extension.py`` as a top-level module)
+VLLM_EXTENSION_CLS = "lightning_vllm_extension.DiskReloadExtension"
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -130,35 +133,23 @@ class VLLMEngine(RemoteEngine):
 
     async def _reload_server(self, idx: int, source: Any, version: int) -> None:
         body = {"method": "lightning_load_weights", "args": [str(source)]}
-        await self._post(idx, "/collective_rpc", what="vLLM collective_rpc(lightning_load_weights)", json=body)
+        resp = await self._post(idx, "/collective_rpc", what="vLLM collective_rpc(lightning_load_weights)", json=body)
+        results = orjson.loads(resp.content).get("results") if resp.content else None
+        if not isinstance(results, list) or not results:
+            raise EngineError(
+                f"vLLM at {self.base_urls[idx]} answered the weight reload without results ({resp.text[:300]}): "
+                f"is it started with --worker-extension-cls {VLLM_EXTENSION_CLS}?"
+            )
+        failed = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failed:
+            first = failed[0]
+            error = first.get("error") if isinstance(first, dict) else first
+            serving = first.get("serving") if isinstance(first, dict) else None
+            raise EngineError(
+                f"vLLM at {self.base_urls[idx]} did not load {source}: {error}"
+                + (f" (still serving {serving})" if serving else "")
+            )
         try:  # cached prefixes were computed by the old weights; vLLM refuses while frozen requests hold blocks
             await self._post(idx, "/reset_prefix_cache", what="vLLM reset_prefix_cache")
         except EngineError as exc:
             logger.warning("prefix cache kept after the weight update: %s", exc)
-
-
-class DiskReloadExtension:
-    """A vLLM worker extension (``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``).
-
-    vLLM mixes this class into each GPU worker; ``collective_rpc("lightning_load_weights", args=[dir])`` then runs
-    on every worker and loads the ``*.safetensors`` files of ``dir`` into the live model through the model's own
-    ``load_weights`` (which handles fused QKV / gate-up layouts and tensor-parallel sharding). Runs inside vLLM only.
-    """
-
-    model_runner: Any
-
-    def lightning_load_weights(self, path: str) -> int:
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-
-        def tensors() -> Iterator[tuple[str, Any]]:
-            from safetensors import safe_open
-
-            for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                        yield name, fh.get_tensor(name)
-
-        loaded = self.model_runner.model.load_weights(weights=tensors())
-        return len(loaded) if loaded is not None else 0
