@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 
 if [ -x "${VENV}/bin/python" ] && "${VENV}/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "reusing ${VENV} (vllm $("${VENV}/bin/python" -c 'import vllm; print(vllm.__version__)'))" >&2
-    echo "${VENV}/bin/python"
+    echo "$(cd "${VENV}" && pwd)/bin/python"
     exit 0
 fi
 "${PY}" -m venv "${VENV}"
@@ -32,4 +32,4 @@ rm -rf "${VENV}/.probe"
 # ("operator torchvision::nms does not exist"); the text-only engine needs none of them.
 "${VENV}/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
 "${VENV}/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'installed in ${VENV}')" >&2
-echo "${VENV}/bin/python"
+echo "$(cd "${VENV}" && pwd)/bin/python"

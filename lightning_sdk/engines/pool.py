@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
+from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
@@ -209,18 +210,19 @@ class RemoteEngine:
                 self._ready.set()
         logger.info("policy version %d served by %d server(s)", version, n)
 
-    async def _resume_retrying(self, idx: int, attempts: int = 5, delay: float = 0.2) -> None:
-        """``_resume_server`` with retries: transport errors (a connection the server closed) are retried with a
-        doubling delay; the last error is raised."""
-        for attempt in range(attempts):
-            try:
-                await self._resume_server(idx)
-                return
-            except EngineError as exc:
-                if attempt == attempts - 1 or not isinstance(exc.__cause__, httpx.TransportError):
-                    raise
-                logger.warning("resume of %s failed (%s); retrying", self.base_urls[idx], exc)
-                await asyncio.sleep(delay * 2**attempt)
+    async def _resume_retrying(self, idx: int) -> None:
+        """``_resume_server`` with retries of transport errors (a connection the server closed after a failed
+        request); the last error is raised."""
+
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, EngineError) and isinstance(exc.__cause__, httpx.TransportError)
+
+        await retry(
+            lambda: self._resume_server(idx),
+            policy=RetryPolicy(retries=4, backoff_s=0.2),
+            retry_if=transient,
+            what=f"resume {self.base_urls[idx]}",
+        )
 
     async def close(self) -> None:
         if self._own_client:

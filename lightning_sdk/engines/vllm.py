@@ -8,12 +8,22 @@ Wire format (vllm-project/vllm ``vllm/entrypoints/openai/completion/protocol.py`
   ``logprobs.token_logprobs`` (one per sampled token) and ``finish_reason`` (``stop``, ``length``, ``abort``).
   Streaming: ``data: {...}`` chunks whose choice carries the ``token_ids`` and ``token_logprobs`` it adds, then
   ``data: [DONE]``.
-* Weight updates use the RL endpoints that vLLM serves with ``VLLM_SERVER_DEV_MODE=1``
-  (``vllm/entrypoints/serve/dev/rlhf/api_router.py``, ``.../dev/rpc/api_router.py``): ``POST /pause?mode=keep``
-  (in-flight requests are frozen and continue after ``/resume``), ``POST /collective_rpc``
-  ``{"method": "lightning_load_weights", "args": [dir]}`` (a method of ``DiskReloadExtension`` below, installed with
-  ``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``), ``POST /reset_prefix_cache``,
-  ``POST /resume``. ``launch.launch_vllm`` starts servers that way.
+* Weight updates use the RL endpoints that vLLM serves with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32:
+  ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/rpc/api_router.py``):
+  ``POST /pause?mode=wait|keep|abort``, ``POST /collective_rpc`` ``{"method": "lightning_load_weights", "args":
+  [dir]}`` (a method of ``vllm_extension.DiskReloadExtension``, which ``launch.launch_vllm`` installs with
+  ``--worker-extension-cls lightning_vllm_extension.DiskReloadExtension``; it answers ``{"ok": false, "error"}``
+  instead of raising, so a failed reload leaves the server up and its cause reaches the caller),
+  ``POST /reset_prefix_cache``, ``POST /resume``.
+
+Which version sampled which token: the default pause mode is ``wait`` (vLLM lets the requests in flight finish
+before it pauses; new calls are held by the client meanwhile), so no call spans an update and every sampled token
+carries the version recorded for its call. ``pause_mode="keep"`` (freeze in-flight requests, continue them on the
+new weights: no waiting, but a call then mixes two versions, and its later tokens are sampled on top of a KV cache
+the old weights computed) records the call under the version it started with, the older one, so the staleness
+bound still holds for all its tokens; the per-token log-probs are what vLLM sampled either way, which is what the
+learner's importance weight ``exp(logp_learner - logp_rollout)`` needs. ``abort`` cuts the calls off and
+``RemoteEngine`` continues them on the new weights as separate pieces (``meta["policy_versions"]``).
 
 Log-probs: launch vLLM with ``--logprobs-mode processed_logprobs`` so they are those of the distribution it sampled
 from (temperature applied), as the trainer's importance ratio needs; the default (``raw_logprobs``) ignores the
@@ -76,9 +86,13 @@ class VLLMEngine(RemoteEngine):
         policy_version: int = 0,
         timeout: float = 600.0,
         client: httpx.AsyncClient | None = None,
+        pause_mode: Literal["wait", "keep", "abort"] = "wait",
     ) -> None:
         super().__init__(base_urls, policy_version=policy_version, timeout=timeout, client=client)
         self.model = model
+        if pause_mode not in ("wait", "keep", "abort"):
+            raise EngineError(f"pause_mode {pause_mode!r} is not one of wait, keep, abort")
+        self.pause_mode = pause_mode
 
     def _body(self, input_ids: list[int], sampling: Sampling, *, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -126,7 +140,7 @@ class VLLMEngine(RemoteEngine):
 
     # ------------------------------------------------------------------------------------------------ weights
     async def _pause_server(self, idx: int) -> None:
-        await self._post(idx, "/pause", what="vLLM pause", params={"mode": "keep"})
+        await self._post(idx, "/pause", what="vLLM pause", params={"mode": self.pause_mode})
 
     async def _resume_server(self, idx: int) -> None:
         await self._post(idx, "/resume", what="vLLM resume")

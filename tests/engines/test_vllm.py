@@ -193,6 +193,9 @@ class FakeVLLM:
 
     async def pause(self, request: Request) -> Response:
         mode = request.query_params.get("mode", "abort")
+        if mode == "wait":  # vLLM lets the requests in flight finish, then pauses
+            while self.running:
+                await asyncio.sleep(0.005)
         self.paused = True
         self.resumed.clear()
         if mode == "abort":
@@ -264,8 +267,9 @@ async def test_completions_with_token_prompt_and_stream() -> None:
     assert (body["max_tokens"], body["temperature"], body["seed"], body["stop"]) == (10, 0.9, 1, ["\n"])
 
 
-async def test_weight_reload_keeps_in_flight_calls(tmp_path: Path) -> None:
-    """pause(mode=keep) freezes the call; load; reset prefix cache; resume; the call ends on the new weights."""
+async def test_weight_reload_waits_for_in_flight_calls(tmp_path: Path) -> None:
+    """Default pause mode ``wait``: the calls in flight finish on the old weights (every token of a call is sampled
+    by the version recorded for it), new calls wait for the update, then run on the new weights."""
     fake = FakeVLLM(token_delay=0.02)
     prompt = [1, 2, 3]
     async with serve_async(fake.app) as srv:
@@ -275,16 +279,39 @@ async def test_weight_reload_keeps_in_flight_calls(tmp_path: Path) -> None:
         while fake.running < 2:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.1)
+        update = asyncio.create_task(engine.update_weights(weights_dir(tmp_path, 4), version=2))
+        await asyncio.sleep(0.05)
+        held = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=3)))
+        await update
+        gen, deltas, after = await call, await streamed, await held
+        await engine.close()
+    assert fake.events == ["pause:wait", "load:4", "reset_prefix_cache", "resume"]
+    assert gen.completion_ids == expected(prompt, 25, seed=0)[0] and gen.policy_version == 0
+    assert [t for d in deltas for t in d.ids] == expected(prompt, 25, seed=0)[0]
+    assert {d.policy_version for d in deltas} == {0}
+    assert after.completion_ids == expected(prompt, 3, seed=4)[0] and after.policy_version == 2
+    assert len(fake.requests) == 3  # nothing re-sent
+
+
+async def test_weight_reload_in_keep_mode_continues_frozen_calls(tmp_path: Path) -> None:
+    """``pause_mode="keep"``: in-flight calls freeze and end on the new weights; the call is recorded under the
+    version it started with (the older one, so the staleness bound covers all its tokens)."""
+    fake = FakeVLLM(token_delay=0.02)
+    prompt = [1, 2, 3]
+    async with serve_async(fake.app) as srv:
+        engine = VLLMEngine(srv.url, pause_mode="keep")
+        call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=25)))
+        while fake.running < 1:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
         await engine.update_weights(weights_dir(tmp_path, 4), version=2)
-        gen, deltas = await call, await streamed
-        after = await engine.generate(prompt, Sampling(max_tokens=3))
+        gen = await call
         await engine.close()
     assert fake.events == ["pause:keep", "load:4", "reset_prefix_cache", "resume"]
-    assert len(gen.completion_ids) == 25 and gen.finish_reason == "length"
-    assert len([t for d in deltas for t in d.ids]) == 25 and deltas[-1].finish_reason == "length"
-    assert len(fake.requests) == 3  # nothing re-sent
-    assert gen.completion_ids != expected(prompt, 25, seed=0)[0]  # the tail came from the new weights
-    assert after.completion_ids == expected(prompt, 3, seed=4)[0] and after.policy_version == 2
+    assert len(gen.completion_ids) == 25 and gen.completion_ids != expected(prompt, 25, seed=0)[0]
+    assert gen.policy_version == 0 and gen.meta["policy_versions"] == [0]
+    with pytest.raises(EngineError, match="pause_mode 'later' is not one of"):
+        VLLMEngine(srv.url, pause_mode="later")  # type: ignore[arg-type]
 
 
 async def test_errors_are_engine_errors(tmp_path: Path) -> None:
@@ -433,7 +460,7 @@ def test_launch_vllm_without_vllm_is_a_clear_error(tmp_path: Path, monkeypatch: 
     """No vLLM in this interpreter and no ``LIGHTNING_SDK_VLLM_PYTHON``: the error says how to set one up; a
     configured interpreter that is missing is a clear error too (nothing is started)."""
     monkeypatch.delenv("LIGHTNING_SDK_VLLM_PYTHON", raising=False)
-    with pytest.raises(EngineError, match="vLLM is not installed in this environment.*LIGHTNING_SDK_VLLM_PYTHON"):
+    with pytest.raises(EngineError, match=r"vLLM is not installed in this environment.*LIGHTNING_SDK_VLLM_PYTHON"):
         launch_vllm(tmp_path)
     with pytest.raises(EngineError, match=r"cannot start '/nowhere/python'"):
         launch_vllm(tmp_path, python="/nowhere/python", timeout=5)
@@ -472,7 +499,7 @@ async def test_failed_reload_raises_the_servers_error_and_resume_is_retried() ->
     port = server.sockets[0].getsockname()[1]
     engine = VLLMEngine(f"http://127.0.0.1:{port}")
     try:
-        with pytest.raises(EngineError, match="answered 500: .*AssertionError: weight shapes differ"):
+        with pytest.raises(EngineError, match=r"answered 500: .*AssertionError: weight shapes differ"):
             await engine.update_weights("/some/dir", version=1)
         assert engine.policy_version == 0
         assert events == ["/pause", "/collective_rpc", "/resume", "/resume"]

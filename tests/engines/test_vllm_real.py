@@ -179,7 +179,8 @@ async def test_failed_reload_reports_the_error_and_keeps_serving(policy: Policy,
         shutil.copytree(policy.v1, corrupt)
         data = (corrupt / "model.safetensors").read_bytes()
         (corrupt / "model.safetensors").write_bytes(data[: len(data) // 2])  # header intact, tensors cut off
-        with pytest.raises(EngineError, match=rf"did not load {corrupt}: .*still serving {policy.v1}"):
+        pattern = rf"(?s)did not load {corrupt}: SafetensorError: .*still serving {policy.v1}"
+        with pytest.raises(EngineError, match=pattern):
             await engine.update_weights(str(corrupt), version=6)
         assert engine.policy_version == before
         after = await answers(engine, policy.prompts)
@@ -206,3 +207,30 @@ def test_served_logprobs_match_the_learners_model(policy: Policy) -> None:
         diffs[version] = _max_diff(ref, fresh.logprobs)
     print(f"{policy.name}: largest |vLLM - HF| log-prob difference {diffs}")
     assert all(d < 0.25 for d in diffs.values()), diffs
+
+
+async def test_call_spanning_an_update_is_sampled_by_one_version(policy: Policy) -> None:
+    """A call in flight when an update starts (default pause mode ``wait``) finishes on the weights it started with:
+    its ids and log-probs equal the same seeded call made with no update, and it records that version; the call
+    after the update records the new one."""
+    engine = VLLMEngine(policy.server.url)
+    try:
+        await engine.update_weights(str(policy.v1), version=10)
+        sampling = Sampling(max_tokens=200, temperature=1.0, seed=7)
+        alone = []
+        for prompt in policy.prompts:
+            t0 = time.perf_counter()
+            alone.append((await engine.generate(prompt, sampling), time.perf_counter() - t0, prompt))
+        lone, duration, prompt = max(alone, key=lambda x: len(x[0].completion_ids))
+        assert len(lone.completion_ids) >= 40, "every seeded answer ended early: pick other seeds"
+        call = asyncio.create_task(engine.generate(prompt, sampling))
+        await asyncio.sleep(duration / 4)
+        assert not call.done()
+        await engine.update_weights(str(policy.v0), version=11)
+        spanning = await call
+        after = await engine.generate(prompt, sampling)
+    finally:
+        await engine.close()
+    assert spanning.completion_ids == lone.completion_ids and spanning.logprobs == lone.logprobs
+    assert spanning.policy_version == 10 and after.policy_version == 11
+    assert after.completion_ids != lone.completion_ids
