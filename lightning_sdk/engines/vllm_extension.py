@@ -80,11 +80,11 @@ def _checkpoint_layout(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 def _layout_mismatch(
     new: dict[str, tuple[str, tuple[int, ...]]], old: dict[str, tuple[str, tuple[int, ...]]], limit: int = 5
 ) -> str | None:
+    # Names only in the new checkpoint are left to the model's loader (e.g. a tied ``lm_head.weight`` written
+    # beside ``embed_tokens``, which it skips); missing names and different dtypes or shapes are refused.
     problems: list[str] = []
     for name in sorted(old.keys() - new.keys())[:limit]:
         problems.append(f"missing {name}")
-    for name in sorted(new.keys() - old.keys())[:limit]:
-        problems.append(f"unexpected {name}")
     for name in sorted(new.keys() & old.keys()):
         if new[name] != old[name] and len(problems) < 3 * limit:
             problems.append(
@@ -97,10 +97,10 @@ class DiskReloadExtension:
     """vLLM worker extension: ``lightning_load_weights(dir)`` swaps in the HF checkpoint in ``dir`` (see module).
 
     It never raises (an exception in a worker stops vLLM's engine core for good, and vLLM's HTTP answer then hides
-    the cause): it answers ``{"ok": false, "error": ...}`` with the error instead. A checkpoint whose tensor names,
-    dtypes or shapes differ from the checkpoint being served is refused before the model is touched; an error
-    during the reload itself (vLLM's own, e.g. a corrupt file) is answered after the last good weights were loaded
-    back, so the server keeps serving them.
+    the cause): it answers ``{"ok": false, "error": ...}`` with the error instead. A checkpoint that lacks tensors
+    of the checkpoint being served, or has them with other dtypes or shapes, is refused before the model is
+    touched; an error during the reload itself (vLLM's own, e.g. a corrupt file) is answered after the last good
+    weights were loaded back, so the server keeps serving them.
     """
 
     # vLLM refuses an extension that defines a name its worker has, so the worker's ``model_runner``,

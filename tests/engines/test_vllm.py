@@ -424,6 +424,15 @@ def test_disk_reload_extension_reloads_reprocesses_tied_head_and_never_raises(tm
     assert out["ok"] is True and out["tied_head_reprocessed"] is True and worker.reprocessed == 1
     assert worker.loaded == [str(v1)] and torch.equal(worker._embed.weight, torch.ones(2, 2))
 
+    from safetensors.torch import save_file
+
+    tied = tmp_path / "tied"  # a tied lm_head.weight written beside the embedding: left to the model's loader
+    tied.mkdir()
+    save_file({"embed": torch.full((2, 2), 5.0), "lm_head.weight": torch.zeros(2, 2)}, str(tied / "model.safetensors"))
+    assert worker.lightning_load_weights(str(tied))["ok"] is True and worker._embed.weight[0, 0] == 5.0
+    assert worker.lightning_load_weights(str(v1))["ok"] is True
+    worker.loaded = [str(v1)]
+
     wrong = _checkpoint(tmp_path / "wrong", 3.0, shape=(3, 2))
     refused = worker.lightning_load_weights(str(wrong))
     assert refused["ok"] is False and worker.loaded == [str(v1)]  # the model was not touched

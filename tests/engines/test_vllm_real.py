@@ -189,24 +189,28 @@ async def test_failed_reload_reports_the_error_and_keeps_serving(policy: Policy,
     assert after.ids == policy.fresh_v1.ids and after.logprobs == policy.fresh_v1.logprobs
 
 
-def _hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> list[float]:
-    model, _ = load_policy(model_dir)
+def _hf_logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1)
     return [float(lp[i, t]) for i, t in enumerate(completion)]
 
 
+#: vLLM serves in bfloat16 on CPU, the learner's model is float32: the largest differences measured over these
+#: prompts were 0.006 (tiny) and 0.17 (SmolLM2, 30 layers); a tied head left on the old weights is off by ~1
+TOLERANCE = {"tiny": 0.05, "smollm2": 0.4}
+
+
 def test_served_logprobs_match_the_learners_model(policy: Policy) -> None:
-    """What vLLM (bfloat16 on CPU) records is the log-prob of the sampled token under the checkpoint the learner
-    wrote (float32 in transformers), up to bfloat16 rounding: a head left on old weights would be off by ~1."""
-    diffs: dict[str, Any] = {}
-    for version, fresh in (("v0", policy.fresh_v0), ("v1", policy.fresh_v1)):
-        path = policy.v0 if version == "v0" else policy.v1
-        ref = [_hf_logprobs(path, p, ids) for p, ids in zip(policy.prompts, fresh.ids, strict=True)]
+    """What vLLM records is the log-prob of the sampled token under the checkpoint the learner wrote, up to
+    bfloat16 rounding."""
+    diffs: dict[str, float] = {}
+    for version, fresh, path in (("v0", policy.fresh_v0, policy.v0), ("v1", policy.fresh_v1, policy.v1)):
+        model, _ = load_policy(path)
+        ref = [_hf_logprobs(model, p, ids) for p, ids in zip(policy.prompts, fresh.ids, strict=True)]
         diffs[version] = _max_diff(ref, fresh.logprobs)
     print(f"{policy.name}: largest |vLLM - HF| log-prob difference {diffs}")
-    assert all(d < 0.25 for d in diffs.values()), diffs
+    assert all(d < TOLERANCE[policy.name] for d in diffs.values()), diffs
 
 
 async def test_call_spanning_an_update_is_sampled_by_one_version(policy: Policy) -> None:
