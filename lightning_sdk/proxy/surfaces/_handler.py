@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
+from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import now
 
@@ -145,6 +145,7 @@ async def handle_surface(
         )
         state.call_ids.add(ctx.call_id)
         t = surface.translate(body, PriorReplies(await ctx.earlier_calls()), ctx.call_id)
+        validate_chat(t.chat)  # the checks chat completions get (names in errors are the chat form's)
         t.record["headers"] = session_headers(scope)
         if proxy.config.cancel_on_disconnect:
             watch = _app._HangUpWatch(receive, proxy.config.hang_up_watch_after_s)
