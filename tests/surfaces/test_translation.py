@@ -177,3 +177,45 @@ def test_upstream_failure_reaches_the_clients_in_their_shapes(tmp_path: Path) ->
         calls = recorded_calls(px, s["rollout_id"])
     assert len(calls) == 2 and all(c.error and "500" in c.error for c in calls)
     assert [c.request["surface"]["api"] for c in calls] == ["messages", "responses"]
+
+
+MALFORMED: list[tuple[str, Any]] = [
+    ("/v1/messages", []),
+    ("/v1/messages", {"model": "policy", "max_tokens": 5}),
+    ("/v1/messages", {"model": "policy", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}),
+    ("/v1/messages", {"model": "policy", "max_tokens": 5, "messages": [{"role": "user", "content": 3}]}),
+    ("/v1/messages", {"model": "policy", "max_tokens": 5, "system": 7, "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/messages", {"model": "policy", "max_tokens": 5, "messages": [{"role": "assistant", "content": [1]}]}),
+    (
+        "/v1/messages",
+        {"model": "policy", "max_tokens": 5, "tool_choice": "any", "messages": [{"role": "user", "content": "x"}]},
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": "policy",
+            "max_tokens": 5,
+            "tools": [{"input_schema": {}}],
+            "messages": [{"role": "user", "content": "x"}],
+        },
+    ),
+    ("/v1/responses", {"model": "policy"}),
+    ("/v1/responses", {"model": "policy", "input": [{"type": "message", "role": "user", "content": {"a": 1}}]}),
+    ("/v1/responses", {"model": "policy", "input": [5]}),
+    ("/v1/responses", {"model": "policy", "input": "x", "tools": [{"type": "function"}]}),
+    ("/v1/responses", {"model": "policy", "input": "x", "max_output_tokens": 0}),
+    ("/v1/responses", {"model": "policy", "input": [], "instructions": None}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), MALFORMED)
+def test_malformed_requests_answer_400_in_the_route_shape(tmp_path: Path, path: str, body: Any) -> None:
+    with passthrough_proxy(tmp_path, []) as (px, upstream):
+        s = px.session()
+        r = px.http.post(path, json=body, headers={"x-api-key": s["token"]})
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    else:
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"]
+    assert upstream.requests == []
