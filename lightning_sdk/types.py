@@ -54,7 +54,7 @@ __all__ = [
 Task = dict[str, Any]
 """One input for the agent: a JSON object from a dataset."""
 
-TokenSource = Literal["engine", "rendered", "retokenized", "external"]
+TokenSource = Literal["engine", "rendered", "retokenized", "text_only", "external"]
 """Where a call's token ids come from.
 
 - ``engine``: prompt and completion ids are exactly what the engine consumed and sampled (token-in/token-out, or an
@@ -62,6 +62,8 @@ TokenSource = Literal["engine", "rendered", "retokenized", "external"]
 - ``rendered``: the proxy rendered the prompt ids itself; completion ids came from the engine.
 - ``retokenized``: the engine returned text only; prompt rendered and reply encoded by the proxy
   (trained only on opt-in).
+- ``text_only``: the engine returned text only and nothing rebuilt the ids: recorded with empty ids and
+  ``checks["missing_token_ids"]``, never trained (counted as such in the fidelity report).
 - ``external``: a model that is not the policy (judge, teacher, hosted provider): text and usage only, never trained.
 """
 
