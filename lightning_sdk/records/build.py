@@ -34,8 +34,7 @@ from lightning_sdk.records.advantages import (
 )
 from lightning_sdk.records.record import Record, Segment
 from lightning_sdk.records.segments import MergeOptions, MergeStats, merge_attempt
-from lightning_sdk.store.base import FinishedGroup
-from lightning_sdk.types import AttemptDetail, AttemptStatus, RolloutDetail
+from lightning_sdk.types import AttemptDetail, AttemptStatus, FinishedGroup, RolloutDetail
 
 __all__ = ["BuildResult", "RecordsConfig", "RolloutReport", "build_records"]
 

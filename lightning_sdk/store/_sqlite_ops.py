@@ -24,13 +24,13 @@ from lightning_sdk.store._sqlite_rows import (
     loads,
     rollout_from_row,
 )
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -344,6 +344,11 @@ def list_rollouts(
     ).fetchall()
     page = [rollout_from_row(row[1:]) for row in rows[:limit]]
     return page, (lc.encode_cursor(rows[limit - 1][0]) if len(rows) > limit else None)
+
+
+def list_rollout_details(conn: Conn, limit: int, after: str | None) -> tuple[list[RolloutDetail], str | None]:
+    page, nxt = list_rollouts(conn, None, limit, after)
+    return _details(conn, page), nxt
 
 
 _READY = (

@@ -14,13 +14,13 @@ import orjson
 
 from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
 from lightning_sdk.store import _lifecycle as lc
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -251,6 +251,13 @@ class MemoryStore:
                 page.append(rollout.model_copy(deep=True))
                 last = seq
         return page, (lc.encode_cursor(last) if more else None)
+
+    async def list_rollout_details(
+        self, *, limit: int = 100, after: str | None = None
+    ) -> tuple[list[RolloutDetail], str | None]:
+        page, nxt = await self.list_rollouts(limit=limit, after=after)
+        with self._lock:
+            return [self._detail(r.rollout_id) for r in page], nxt
 
     async def counts(self) -> dict[str, int]:
         with self._lock:

@@ -34,12 +34,12 @@ from typing import Any, Literal, TypeVar
 from lightning_sdk.errors import LightningSDKError, StoreError, StoreUnavailableError
 from lightning_sdk.store import _sqlite_ops as ops
 from lightning_sdk.store import _sqlite_rows as rows
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -205,6 +205,11 @@ class SQLiteStore:
         self, *, status: RolloutStatus | None = None, limit: int = 100, after: str | None = None
     ) -> tuple[list[Rollout], str | None]:
         return await self._read(ops.list_rollouts, status, limit, after)
+
+    async def list_rollout_details(
+        self, *, limit: int = 100, after: str | None = None
+    ) -> tuple[list[RolloutDetail], str | None]:
+        return await self._read(ops.list_rollout_details, limit, after)
 
     async def counts(self) -> dict[str, int]:
         return await self._read(ops.counts)

@@ -14,6 +14,7 @@ def test_exported_members() -> None:
         "MemoryStore",
         "SQLiteStore",
         "Store",
+        "load_groups",
         "open_store",
         "reap_leases",
         "run_sync",

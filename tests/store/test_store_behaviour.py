@@ -341,6 +341,36 @@ async def test_list_rollouts_paginates_in_creation_order(store: Store) -> None:
     assert len(exact) == 7 and nxt is None
 
 
+async def test_rollout_details_page_like_get_rollout_and_load_groups_reads_a_page_at_a_time(store: Store) -> None:
+    from lightning_sdk.store import load_groups
+
+    groups = await store.enqueue([{"i": i} for i in range(5)], n=2, split="train")
+    await store.enqueue([{"i": 99}], split="eval")
+    claim = await store.claim("w", split="train")
+    assert claim is not None
+    call = Call(call_id="c-1", attempt_id=claim.attempt.attempt_id, rollout_id=claim.rollout.rollout_id, model="policy",
+                prompt_ids=[1, 2], completion_ids=[3], logprobs=[-0.5])  # fmt: skip
+    await store.record_calls([call])
+    await store.record_rewards([Reward(rollout_id=call.rollout_id, attempt_id=call.attempt_id, value=1.0)])
+    await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+    pages: list[list[str]] = []
+    cursor: str | None = None
+    while True:
+        details, cursor = await store.list_rollout_details(limit=4, after=cursor)
+        pages.append([d.rollout.rollout_id for d in details])
+        for d in details:
+            assert d == await store.get_rollout(d.rollout.rollout_id)
+        if cursor is None:
+            break
+    assert [len(p) for p in pages] == [4, 4, 3]
+    loaded = await load_groups(store, page=4)
+    assert [g.group.group_id for g in loaded] == [g.group_id for g in groups]
+    assert all(len(g.rollouts) == 2 and g.group.split == "train" for g in loaded)
+    [first] = [d for g in loaded for d in g.rollouts if d.rollout.rollout_id == claim.rollout.rollout_id]
+    assert first.attempts[0].calls[0].completion_ids == [3] and first.attempts[0].rewards[0].value == 1.0
+    assert [g.group.task for g in await load_groups(store, split="eval")] == [{"i": 99}]
+
+
 # -- calls, rewards, versions, resources, meta -----------------------------------------------------------------------
 
 
