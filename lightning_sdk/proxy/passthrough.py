@@ -245,7 +245,7 @@ class PassthroughBackend:
             completion_ids=completion_ids,
             logprobs=logprobs,
             finish_reason=tok.finish_reason,
-            token_source="engine" if "missing_token_ids" not in checks else "retokenized",
+            token_source="engine" if "missing_token_ids" not in checks else "text_only",
             policy_version=ctx.policy_version,
             usage={k: v for k, v in usage.items() if isinstance(v, int)},
             checks=checks,

@@ -23,12 +23,12 @@ from pydantic import BaseModel, ValidationError
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import StoreError, StoreUnavailableError
 from lightning_sdk.store import _wire as w
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -207,6 +207,14 @@ class HTTPStore:
         params = {"status": RolloutStatus(status).value if status is not None else None, "limit": limit, "after": after}
         res = await self._call("GET", "/rollouts", w.RolloutPageBody, params=params)
         return res.rollouts, res.next
+
+    async def list_rollout_details(
+        self, *, limit: int = 100, after: str | None = None
+    ) -> tuple[list[RolloutDetail], str | None]:
+        res = await self._call(
+            "GET", "/rollout-details", w.RolloutDetailPageBody, params={"limit": limit, "after": after}
+        )
+        return res.details, res.next
 
     async def counts(self) -> dict[str, int]:
         res = await self._call("GET", "/counts", w.CountsBody)

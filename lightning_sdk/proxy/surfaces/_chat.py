@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sdk.tokens import message_key
-from lightning_sdk.tokens._parse import trailing_partial
+from lightning_sdk.tokens._parsers import trailing_partial
 from lightning_sdk.types import Call
 
 __all__ = [

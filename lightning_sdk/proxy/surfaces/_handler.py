@@ -11,6 +11,8 @@ the tools the policy was not shown, the ids the proxy handed out and what the ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,11 +22,13 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
+from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import now
 
 __all__ = ["SESSION_HEADERS", "Surface", "SurfaceStream", "Translation", "attempt_token", "handle_surface"]
+
+logger = logging.getLogger(__name__)
 
 SESSION_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
 """Request headers kept on the recorded call (``request["surface"]["headers"]``)."""
@@ -145,6 +149,7 @@ async def handle_surface(
         )
         state.call_ids.add(ctx.call_id)
         t = surface.translate(body, PriorReplies(await ctx.earlier_calls()), ctx.call_id)
+        validate_chat(t.chat)  # the checks chat completions get (names in errors are the chat form's)
         t.record["headers"] = session_headers(scope)
         if proxy.config.cancel_on_disconnect:
             watch = _app._HangUpWatch(receive, proxy.config.hang_up_watch_after_s)
@@ -176,6 +181,11 @@ async def handle_surface(
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         error = "the agent disconnected before the reply was complete"
+    except Exception as exc:  # a bug in a translation must not lose the call: answer 500 (if still possible), record
+        logger.exception("%s surface failed", surface.api)
+        error = f"internal error: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):  # the answer may have started already (a stream)
+            await send_error(send, surface, ProxyHTTPError(500, error, kind="server_error"))
     else:
         if result is not None and not stream and t is not None and ctx is not None:
             payload = orjson.dumps(surface.answer(t, Reply.from_chat(result.response, t.stop)))
