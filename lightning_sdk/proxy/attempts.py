@@ -34,6 +34,7 @@ class AttemptState:
     """What the proxy keeps per attempt while it is running."""
 
     __slots__ = (
+        "_inflight",
         "_load_lock",
         "attempt",
         "call_ids",
@@ -41,7 +42,6 @@ class AttemptState:
         "checked_at",
         "closing",
         "idle",
-        "inflight",
         "loaded",
         "n_calls",
         "n_errors",
@@ -56,7 +56,7 @@ class AttemptState:
         self.calls: list[Call] = []  # finished calls of this attempt, in seq order
         self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
         self.loaded = False
-        self.inflight = 0  # requests (calls, rewards) being served right now (finish waits for them)
+        self._inflight = 0  # requests (calls, rewards) being served right now (finish waits for them)
         self.closing: str | None = None  # why no new request is accepted (finishing / ended), sticky
         self.tasks: set[asyncio.Task[object]] = set()  # the tasks serving LLM calls now (finish may abort them)
         self.idle = asyncio.Event()
@@ -65,6 +65,19 @@ class AttemptState:
         self.n_errors = 0  # of which recorded with an error
         self._load_lock = asyncio.Lock()
 
+    @property
+    def inflight(self) -> int:
+        """Requests (calls, rewards) of this attempt being served now; ``idle`` is set when there are none."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight = max(0, value)
+        if self._inflight:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
     def enter(self) -> None:
         """Count a request in flight; raises ``AttemptNotRunningError`` when the attempt is closed (no await here)."""
         if self.closing is not None or self.attempt.status is not AttemptStatus.RUNNING:
@@ -72,13 +85,9 @@ class AttemptState:
                 f"attempt {self.attempt.attempt_id} is {self.closing or self.attempt.status.value}, no longer running"
             )
         self.inflight += 1
-        self.idle.clear()
 
     def leave(self) -> None:
         self.inflight -= 1
-        if self.inflight <= 0:
-            self.inflight = 0
-            self.idle.set()
 
     async def take_seq(self, store: Store) -> int:
         """The ``seq`` of a new call (continuing what the store has, the first time)."""

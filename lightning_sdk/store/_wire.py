@@ -54,6 +54,7 @@ __all__ = [
     "RewardsBody",
     "RolloutBody",
     "RolloutDetailBody",
+    "RolloutDetailPageBody",
     "RolloutPageBody",
     "TokenRequest",
     "VersionBody",
@@ -148,6 +149,11 @@ class RolloutBody(_Wire):
 
 class RolloutDetailBody(_Wire):
     detail: RolloutDetail
+
+
+class RolloutDetailPageBody(_Wire):
+    details: list[RolloutDetail]
+    next: str | None
 
 
 class RolloutPageBody(_Wire):
