@@ -248,3 +248,26 @@ def test_an_engine_context_refusal_reads_prompt_is_too_long_on_the_messages_rout
         assert refused.value.code == "context_length_exceeded"
         calls = recorded_calls(px, s["rollout_id"])
     assert len(calls) == 2 and all(c.error and c.completion_ids == [] for c in calls)
+
+
+def test_replies_cut_by_the_token_limit(tmp_path: Path) -> None:
+    """A reply cut by ``max_tokens`` / ``max_output_tokens``: ``stop_reason: "max_tokens"`` on Messages, an
+    ``incomplete`` response (``response.incomplete`` when streamed) on Responses; the ids are recorded as sampled."""
+    from tests.surfaces.conftest import token_proxy
+
+    with token_proxy(tmp_path, [30, 30, 30]) as (px, engine):  # random vocabulary tokens, longer than the limit
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        cut = claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "Talk."}])
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 5
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        r = client.responses.create(model="policy", input="Talk.", max_output_tokens=5)
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+        events = [
+            e.type for e in client.responses.create(model="policy", input="Talk.", max_output_tokens=5, stream=True)
+        ]
+        assert events[-1] == "response.incomplete" and "response.completed" not in events
+        calls = recorded_calls(px, s["rollout_id"])
+    assert [c.finish_reason for c in calls] == ["length"] * 3
+    assert [c.completion_ids for c in calls] == engine.sampled and all(len(ids) == 5 for ids in engine.sampled)
