@@ -219,3 +219,32 @@ def test_malformed_requests_answer_400_in_the_route_shape(tmp_path: Path, path: 
     else:
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"]
     assert upstream.requests == []
+
+
+def test_an_engine_context_refusal_reads_prompt_is_too_long_on_the_messages_route(tmp_path: Path) -> None:
+    """vLLM refuses a prompt past its context with a 400 (its wording, read from vllm serving_engine): Anthropic
+    clients get "prompt is too long" (what Claude Code acts on), OpenAI clients ``context_length_exceeded``."""
+    from tests.surfaces.upstream import ScriptedReply
+
+    vllm_400 = {
+        "object": "error",
+        "message": "This model's maximum context length is 1024 tokens. However, you requested 35000 tokens "
+        "(34000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    script = [ScriptedReply(error=(400, vllm_400)), ScriptedReply(error=(400, {"error": vllm_400}))]
+    with passthrough_proxy(tmp_path, script) as (px, _upstream):
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude.messages.create(model="policy", max_tokens=1000, messages=[{"role": "user", "content": "hi"}])
+        message = err.value.body["error"]["message"]  # type: ignore[index]
+        assert message.startswith("prompt is too long: This model's maximum context length is 1024 tokens")
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="policy", input="hi")
+        assert refused.value.code == "context_length_exceeded"
+        calls = recorded_calls(px, s["rollout_id"])
+    assert len(calls) == 2 and all(c.error and c.completion_ids == [] for c in calls)
