@@ -219,3 +219,55 @@ def test_malformed_requests_answer_400_in_the_route_shape(tmp_path: Path, path: 
     else:
         assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"]
     assert upstream.requests == []
+
+
+def test_an_engine_context_refusal_reads_prompt_is_too_long_on_the_messages_route(tmp_path: Path) -> None:
+    """vLLM refuses a prompt past its context with a 400 (its wording, read from vllm serving_engine): Anthropic
+    clients get "prompt is too long" (what Claude Code acts on), OpenAI clients ``context_length_exceeded``."""
+    from tests.surfaces.upstream import ScriptedReply
+
+    vllm_400 = {
+        "object": "error",
+        "message": "This model's maximum context length is 1024 tokens. However, you requested 35000 tokens "
+        "(34000 in the messages, 1000 in the completion). Please reduce the length of the messages or completion.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    script = [ScriptedReply(error=(400, vllm_400)), ScriptedReply(error=(400, {"error": vllm_400}))]
+    with passthrough_proxy(tmp_path, script) as (px, _upstream):
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        with pytest.raises(anthropic.BadRequestError) as err:
+            claude.messages.create(model="policy", max_tokens=1000, messages=[{"role": "user", "content": "hi"}])
+        message = err.value.body["error"]["message"]  # type: ignore[index]
+        assert message.startswith("prompt is too long: This model's maximum context length is 1024 tokens")
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="policy", input="hi")
+        assert refused.value.code == "context_length_exceeded"
+        calls = recorded_calls(px, s["rollout_id"])
+    assert len(calls) == 2 and all(c.error and c.completion_ids == [] for c in calls)
+
+
+def test_replies_cut_by_the_token_limit(tmp_path: Path) -> None:
+    """A reply cut by ``max_tokens`` / ``max_output_tokens``: ``stop_reason: "max_tokens"`` on Messages, an
+    ``incomplete`` response (``response.incomplete`` when streamed) on Responses; the ids are recorded as sampled."""
+    from tests.surfaces.conftest import token_proxy
+
+    with token_proxy(tmp_path, [30, 30, 30]) as (px, engine):  # random vocabulary tokens, longer than the limit
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        cut = claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "Talk."}])
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 5
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        r = client.responses.create(model="policy", input="Talk.", max_output_tokens=5)
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+        events = [
+            e.type for e in client.responses.create(model="policy", input="Talk.", max_output_tokens=5, stream=True)
+        ]
+        assert events[-1] == "response.incomplete" and "response.completed" not in events
+        calls = recorded_calls(px, s["rollout_id"])
+    assert [c.finish_reason for c in calls] == ["length"] * 3
+    assert [c.completion_ids for c in calls] == engine.sampled and all(len(ids) == 5 for ids in engine.sampled)
