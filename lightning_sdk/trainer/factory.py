@@ -5,9 +5,9 @@ what the serving engine is handed after each update.
     engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
     both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
 
-The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights`` and never
-asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the trainer
-needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
+The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights``
+and never asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the
+trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
 """
 
 from __future__ import annotations
