@@ -15,6 +15,7 @@ healthy within ``timeout`` raises ``EngineError`` with the command and the end o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import logging
@@ -91,6 +92,7 @@ class ManagedServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        atexit.unregister(self.stop)
 
     def __enter__(self) -> ManagedServer:
         return self
@@ -149,6 +151,9 @@ def launch_server(
         raise EngineError(f"cannot start {cmd[0]!r}: {exc}") from exc
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     server = ManagedServer(url=f"http://{connect_host}:{port}", process=proc, command=cmd, log_path=log, _log=fh)
+    # the server runs in its own session (so stop() ends its workers too) and would outlive this process if an error
+    # skipped the owner's stop(): stop it at interpreter exit in any case
+    atexit.register(server.stop)
     logger.info("started %s (pid %d), log %s", " ".join(cmd), proc.pid, log)
     _wait_healthy(server, health_path, timeout)
     logger.info("server ready at %s", server.url)
