@@ -26,12 +26,12 @@ import time
 import numpy as np
 
 from lightning_sdk.records import RecordsConfig, build_records
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
     AttemptStatus,
     Call,
+    FinishedGroup,
     Group,
     Reward,
     Rollout,

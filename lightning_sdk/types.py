@@ -21,7 +21,8 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,12 +31,14 @@ from lightning_sdk.errors import InvalidTransitionError
 __all__ = [
     "ATTEMPT_TRANSITIONS",
     "ROLLOUT_TRANSITIONS",
+    "SPLIT_REASONS",
     "TERMINAL_ATTEMPT",
     "TERMINAL_ROLLOUT",
     "Attempt",
     "AttemptStatus",
     "Call",
     "Claim",
+    "FinishedGroup",
     "Group",
     "PolicyVersion",
     "Resource",
@@ -43,6 +46,7 @@ __all__ = [
     "Rollout",
     "RolloutDetail",
     "RolloutStatus",
+    "SplitReason",
     "Task",
     "TokenSource",
     "check_attempt_transition",
@@ -54,7 +58,7 @@ __all__ = [
 Task = dict[str, Any]
 """One input for the agent: a JSON object from a dataset."""
 
-TokenSource = Literal["engine", "rendered", "retokenized", "external"]
+TokenSource = Literal["engine", "rendered", "retokenized", "text_only", "external"]
 """Where a call's token ids come from.
 
 - ``engine``: prompt and completion ids are exactly what the engine consumed and sampled (token-in/token-out, or an
@@ -62,8 +66,18 @@ TokenSource = Literal["engine", "rendered", "retokenized", "external"]
 - ``rendered``: the proxy rendered the prompt ids itself; completion ids came from the engine.
 - ``retokenized``: the engine returned text only; prompt rendered and reply encoded by the proxy
   (trained only on opt-in).
+- ``text_only``: the engine returned text only and nothing rebuilt the ids: recorded with empty ids and
+  ``checks["missing_token_ids"]``, never trained (counted as such in the fidelity report).
 - ``external``: a model that is not the policy (judge, teacher, hosted provider): text and usage only, never trained.
 """
+
+
+SplitReason = Literal["compaction", "history_edit", "template_rewrite", "branch", "tools_changed"]
+"""Why a trajectory starts a new segment instead of extending the previous call (docs/records.md): the agent
+compacted or edited its history, the chat template rewrote earlier turns, a call branched off an earlier state, or
+the tool list changed."""
+
+SPLIT_REASONS: tuple[SplitReason, ...] = get_args(SplitReason)
 
 
 def new_id(prefix: str) -> str:
@@ -259,3 +273,14 @@ class RolloutDetail(_Model):
             if a.attempt.status is AttemptStatus.SUCCEEDED:
                 return a
         return None
+
+
+@dataclass(slots=True)
+class FinishedGroup:
+    """A group with its rollouts (each with its attempts, calls and rewards): what records are built from.
+
+    ``Store.finished_groups`` answers the groups whose rollouts are all terminal and that no training step has
+    consumed yet; ``lightning_sdk.store.load_groups`` every group of a split, for export."""
+
+    group: Group
+    rollouts: list[RolloutDetail]

@@ -42,12 +42,14 @@ from lightning_sdk.agent._base import AttemptOutcome, format_exception, reward_v
 from lightning_sdk.agent._context import AttemptContext
 from lightning_sdk.agent._llm import LLM
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.sandbox import Sandbox, SandboxError, SandboxSpec
 from lightning_sdk.types import Task
 
 __all__ = ["CommandAgent", "CommandResult", "RewardFn"]
 
-RewardFn = Callable[[Task, str, int], Any]
-"""``reward(task, stdout, exit_code) -> float | None`` (may be async)."""
+RewardFn = Callable[..., Any]
+"""``reward(task, stdout, exit_code) -> float | None`` or, with a sandbox, ``reward(task, stdout, exit_code,
+sandbox)`` (may be async)."""
 
 
 class CommandResult:
@@ -146,6 +148,7 @@ class CommandAgent:
         fail_on_error: bool = True,
         kill_grace_s: float = 2.0,
         name: str | None = None,
+        sandbox: SandboxSpec | Mapping[str, Any] | None = None,
     ) -> None:
         args = shlex.split(command) if isinstance(command, str) else list(command)
         if not args:
@@ -163,6 +166,10 @@ class CommandAgent:
         self.fail_on_error = fail_on_error
         self.kill_grace_s = kill_grace_s
         self.name = name or Path(args[0]).name
+        self.sandbox = SandboxSpec.from_config(sandbox) if isinstance(sandbox, Mapping) else sandbox
+        self._reward_takes_sandbox = self.reward is not None and _n_positional(self.reward) >= 4
+        if self._reward_takes_sandbox and self.sandbox is None:
+            raise ConfigError("a reward(task, stdout, exit_code, sandbox) needs the command agent's sandbox")
 
     @classmethod
     def from_config(cls, section: Mapping[str, Any], base_dir: str | os.PathLike[str] | None = None) -> CommandAgent:
@@ -175,8 +182,20 @@ class CommandAgent:
         cwd: path/to/dir
         max_attempts: 2
         fail_on_error: true
+        sandbox: {files_field: repo, max_sandboxes: 16, limits: {wall_s: 120, cpu_s: 60, memory_mb: 1024}}
         """
-        known = {"command", "reward", "timeout", "env", "cwd", "max_attempts", "fail_on_error", "kill_grace_s", "name"}
+        known = {
+            "command",
+            "reward",
+            "timeout",
+            "env",
+            "cwd",
+            "max_attempts",
+            "fail_on_error",
+            "kill_grace_s",
+            "name",
+            "sandbox",
+        }
         unknown = sorted(set(section) - known)
         if unknown:
             raise ConfigError(f"unknown command agent keys {unknown}; known: {sorted(known)}")
@@ -198,6 +217,7 @@ class CommandAgent:
             fail_on_error=bool(section.get("fail_on_error", True)),
             kill_grace_s=float(section.get("kill_grace_s", 2.0)),
             name=section.get("name"),
+            sandbox=section.get("sandbox"),
         )
 
     def __repr__(self) -> str:
@@ -218,25 +238,36 @@ class CommandAgent:
         return env
 
     async def execute(
-        self, task: Task, llm: LLM, *, timeout: float | None, extra_env: Mapping[str, str] | None = None
+        self,
+        task: Task,
+        llm: LLM,
+        *,
+        timeout: float | None,
+        extra_env: Mapping[str, str] | None = None,
+        sandbox: Sandbox | None = None,
     ) -> CommandResult:
-        """Run the command once; the process group is killed on timeout, cancellation and exit."""
+        """Run the command once (in ``sandbox`` when given: its directory, its limits); the process group is killed
+        on timeout, cancellation and exit."""
         with tempfile.TemporaryDirectory(prefix="lightning-task-") as tmp:
             task_file = os.path.join(tmp, "task.json")
             Path(task_file).write_text(json.dumps(task, ensure_ascii=False), encoding="utf-8")
             args = self.render_args(task, task_file)
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *args,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=self.process_env(task, llm, extra_env),
-                    cwd=self.cwd,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise ConfigError(f"cannot start {args[0]!r}: {exc}") from exc
+            env = self.process_env(task, llm, extra_env)
+            if sandbox is not None:
+                proc = await sandbox.start(args, env=env)
+            else:
+                try:
+                    proc = await asyncio.create_subprocess_exec(
+                        *args,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=asyncio.subprocess.PIPE,
+                        env=env,
+                        cwd=self.cwd,
+                        start_new_session=True,
+                    )
+                except OSError as exc:
+                    raise ConfigError(f"cannot start {args[0]!r}: {exc}") from exc
             assert proc.stdout is not None and proc.stderr is not None
             readers = [asyncio.ensure_future(_read_all(proc.stdout)), asyncio.ensure_future(_read_all(proc.stderr))]
             timed_out = False
@@ -266,11 +297,26 @@ class CommandAgent:
 
     async def run_attempt(self, ctx: AttemptContext, *, timeout: float | None) -> AttemptOutcome:
         """Run the command for this attempt and score it (see the module docstring)."""
+        if self.sandbox is None:
+            return await self._run_attempt(ctx, timeout, None)
+        spec = self.sandbox
+        try:
+            box = await spec.get_backend().create(spec.files_of(ctx.task), spec.limits)
+        except (SandboxError, ConfigError) as exc:
+            return AttemptOutcome("failed", error=f"sandbox: {exc}")
+        try:
+            return await self._run_attempt(ctx, timeout, box)
+        except SandboxError as exc:  # an infrastructure failure: the attempt fails (and is retried), never reward 0
+            return AttemptOutcome("failed", error=f"sandbox: {exc}")
+        finally:
+            await asyncio.shield(box.close())
+
+    async def _run_attempt(self, ctx: AttemptContext, timeout: float | None, box: Sandbox | None) -> AttemptOutcome:
         extra = {"LIGHTNING_SDK_ATTEMPT_ID": ctx.attempt_id, "LIGHTNING_SDK_ROLLOUT_ID": ctx.rollout_id}
         if ctx.server_url:
             extra["LIGHTNING_SDK_REWARD_URL"] = f"{ctx.server_url}/lightning/v1/reward"
         try:
-            result = await self.execute(ctx.task, ctx.llm, timeout=timeout, extra_env=extra)
+            result = await self.execute(ctx.task, ctx.llm, timeout=timeout, extra_env=extra, sandbox=box)
         except ConfigError as exc:
             return AttemptOutcome("failed", error=str(exc))
         if result.timed_out:
@@ -286,16 +332,23 @@ class CommandAgent:
         if self.reward is None:
             return AttemptOutcome("succeeded", output=tail(result.stdout))
         try:
-            value = self.reward(ctx.task, result.stdout, result.exit_code)
+            if self._reward_takes_sandbox:
+                value = self.reward(ctx.task, result.stdout, result.exit_code, box)
+            else:
+                value = self.reward(ctx.task, result.stdout, result.exit_code)
             if inspect.isawaitable(value):
                 value = await value
             reward = reward_value(value, f"reward function of {self.name}")
+        except SandboxError:
+            raise
         except Exception as exc:
             return AttemptOutcome("failed", error=format_exception(exc), output=tail(result.stdout))
         return AttemptOutcome("succeeded", reward=reward, output=tail(result.stdout))
 
     def __call__(self, task: Task, llm: LLM) -> float | None:
         """Run once as plain code (outside training): returns the reward function's value (None without one)."""
+        if self.sandbox is not None:
+            raise ConfigError("a command agent with a sandbox runs through a worker (run_attempt), not as plain code")
         result = asyncio.run(self.execute(task, llm, timeout=self.timeout))
         if result.timed_out:
             raise TimeoutError(f"{self.name} timed out after {self.timeout} s")
@@ -307,6 +360,17 @@ class CommandAgent:
         if inspect.isawaitable(value):
             raise ConfigError("an async reward function needs the async API (CommandAgent.execute)")
         return reward_value(value, "reward function")
+
+
+def _n_positional(fn: Callable[..., Any]) -> int:
+    """How many positional arguments ``fn`` accepts (a ``*args`` counts as many)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 99
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
 async def _read_all(stream: asyncio.StreamReader) -> bytes:

@@ -22,8 +22,8 @@ from typing import Any
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.agent.worker import AttemptResult, WorkerPool
 from lightning_sdk.errors import ConfigError
-from lightning_sdk.store.base import FinishedGroup, Store
-from lightning_sdk.types import RolloutDetail, RolloutStatus, Task
+from lightning_sdk.store.base import Store
+from lightning_sdk.types import FinishedGroup, RolloutDetail, RolloutStatus, Task
 
 __all__ = ["RolloutSummary", "RunSummary", "rollout_reward", "run_tasks", "summarise"]
 

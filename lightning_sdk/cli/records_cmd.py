@@ -19,7 +19,7 @@ from lightning_sdk.records.export import export_records, report_json
 from lightning_sdk.records.record import Record, visualize
 from lightning_sdk.records.report import render_report
 from lightning_sdk.records.segments import MergeOptions
-from lightning_sdk.store import open_store
+from lightning_sdk.store import load_groups, open_store
 from lightning_sdk.store.base import Store
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def _check_vocab(records: list[Record], tokenizer: Any) -> None:
 async def _run(spec: str, admin_key: str | None, out: Path, config: RecordsConfig, split: str | None) -> BuildResult:
     store = _open_store(spec, admin_key)
     try:
-        return await export_records(store, out, config, split=split)
+        return export_records(await load_groups(store, split=split), out, config)
     finally:
         await store.close()
 

@@ -3,6 +3,7 @@
 Routes (the HTTP contract in docs/concepts.md / ARCHITECTURE.md)::
 
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models     (also under /t/<attempt token>/v1/...)
+    POST /v1/responses, POST /v1/messages[/count_tokens]                (proxy/surfaces: translated to the chat form)
     POST /lightning/v1/reward, POST /lightning/v1/finish                (attempt token)
     POST /lightning/v1/sessions, GET /lightning/v1/rollouts[/{id}]      (admin key)
     GET  /lightning/v1/health                                           (no key)
@@ -50,6 +51,7 @@ from lightning_sdk.proxy.errors import (
 from lightning_sdk.proxy.external import ExternalBackend, ExternalRoute
 from lightning_sdk.proxy.recorder import Recorder
 from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
+from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES, count_tokens, handle_surface
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Call, now
 
@@ -481,6 +483,11 @@ class ProxyApp:
                 return await self.proxy.handle_llm(scope, receive, send, chat=True, token=token or None)
             if path == "/v1/completions":
                 return await self.proxy.handle_llm(scope, receive, send, chat=False, token=token or None)
+            surface = SURFACES.get(path)  # the Responses and Messages APIs (lightning_sdk.proxy.surfaces)
+            if surface is not None:
+                return await handle_surface(self.proxy, surface, scope, receive, send, token or None)
+            if path == COUNT_TOKENS_PATH:
+                return await count_tokens(self.proxy, scope, receive, send, token or None)
         await self.starlette(scope, receive, send)
 
 

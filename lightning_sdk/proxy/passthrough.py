@@ -7,23 +7,23 @@ receives. An engine that returns text only still works: its calls are recorded w
 
 Connections are kept alive in an ``Http1Pool`` (``proxy/http1.py``; measured here: half of aiohttp's CPU per
 request, a fifth of httpx's).
-Failures before the first byte reaches the agent are retried with exponential backoff (connection errors, 429,
-5xx, a reply cut off mid-body); then the agent gets an OpenAI-shaped 502, or 504 when the engine did not answer
-within ``timeout_s``. A 4xx from the engine is the request's fault and is passed on. When the agent disconnects,
-the upstream response is closed, which makes vLLM/SGLang abort the generation.
+Failures before the first byte reaches the agent are retried, one level, by ``lightning_sdk._retry`` (connection
+errors, 429, 5xx, a reply cut off mid-body: at most ``max_retries + 1`` POSTs per call); then the agent gets an
+OpenAI-shaped 502, or 504 when the engine did not answer within ``timeout_s``. A 4xx from the engine is the
+request's fault and is passed on. When the agent disconnects, the upstream response is closed, which makes
+vLLM/SGLang abort the generation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
+from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
@@ -39,6 +39,7 @@ from lightning_sdk.proxy.shapes import (
 __all__ = ["PassthroughBackend", "PassthroughConfig"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _RETRY_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
@@ -78,6 +79,7 @@ class PassthroughBackend:
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"
         self._headers = headers
+        self._retry = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s)
 
     # -- the PolicyBackend interface -----------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
@@ -134,62 +136,60 @@ class PassthroughBackend:
 
     async def _open(self, path: str, payload: bytes) -> Http1Response:
         """POST with retries until the engine answers 200; the caller reads the body and releases the response."""
-        url = self.base + path
-        last = "no attempt made"
-        for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random()))
-            try:
-                resp = await self._pool.send("POST", path, payload, self._headers)
-            except Http1ReadTimeout as exc:
-                raise UpstreamError(
-                    f"upstream {url} did not answer within {self.config.timeout_s}s", status_code=504
-                ) from exc
-            except Http1Error as exc:  # connection refused/reset, or cut off before the status line
-                last = f"{type(exc).__name__}: {exc}"
-                logger.debug("upstream %s attempt %d failed: %s", url, attempt + 1, last)
-                continue
-            if resp.status == 200:
-                return resp
-            try:
-                raw = await resp.read()
-            except Http1Error as exc:
-                resp.close()
-                last = f"HTTP {resp.status}, then {type(exc).__name__}: {exc}"
-                continue
-            if resp.status in _RETRY_STATUS:
-                last = f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}"
-                logger.debug("upstream %s attempt %d answered %s", url, attempt + 1, resp.status)
-                continue
-            raise UpstreamHTTPError(
-                f"upstream answered {resp.status}", status_code=resp.status, payload=_error_payload(raw)
-            )
-        raise UpstreamError(
-            f"upstream {url} failed after {self.config.max_retries + 1} attempts; last error: {last}", status_code=502
-        )
+        return await self._retrying(path, lambda: self._open_once(path, payload))
 
     async def _post_json(self, path: str, payload: bytes) -> dict[str, Any]:
-        last: Exception | None = None
-        for _ in range(self.config.max_retries + 1):
-            resp = await self._open(path, payload)
+        """POST and read the whole reply; a reply cut off mid-body is retried like a failed POST (one level)."""
+
+        async def once() -> bytes:
+            resp = await self._open_once(path, payload)
             try:
-                raw = await resp.read()
+                return await resp.read()
             except Http1ReadTimeout as exc:
                 resp.close()
-                raise UpstreamError(
-                    f"upstream did not answer within {self.config.timeout_s}s", status_code=504
-                ) from exc
-            except Http1Error as exc:  # cut off mid-body: nothing reached the agent yet, so retry
+                raise self._timeout() from exc
+            except Http1Error:  # cut off mid-body: nothing reached the agent yet, so it is retried
                 resp.close()
-                last = exc
-                continue
-            try:
-                data: dict[str, Any] = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise UpstreamError(f"upstream sent invalid JSON: {raw[:200]!r}", status_code=502) from exc
-            return data
-        raise UpstreamError(f"upstream reply cut off {self.config.max_retries + 1} times: {last}", status_code=502)
+                raise
+
+        raw = await self._retrying(path, once)
+        try:
+            data: dict[str, Any] = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamError(f"upstream sent invalid JSON: {raw[:200]!r}", status_code=502) from exc
+        return data
+
+    async def _retrying(self, path: str, once: Callable[[], Awaitable[T]]) -> T:
+        """``once`` under the project's retry policy; when the tries are spent, an ``UpstreamError`` (502)."""
+        url = self.base + path
+        try:
+            return await retry(once, policy=self._retry, retry_if=_retryable, what=f"upstream POST {url}")
+        except (Http1Error, TransientAnswer) as exc:
+            raise UpstreamError(
+                f"upstream {url} failed after {self._retry.retries + 1} attempts; "
+                f"last error: {type(exc).__name__}: {exc}",
+                status_code=502,
+            ) from exc
+
+    async def _open_once(self, path: str, payload: bytes) -> Http1Response:
+        """One POST: the 200 response (body unread), or the error that says whether to retry."""
+        try:
+            resp = await self._pool.send("POST", path, payload, self._headers)
+        except Http1ReadTimeout as exc:
+            raise self._timeout() from exc
+        # other Http1Errors (connection refused/reset, cut off before the status line) propagate and are retried
+        if resp.status == 200:
+            return resp
+        try:
+            raw = await resp.read()
+        except Http1Error:
+            resp.close()
+            raise
+        if resp.status in _RETRY_STATUS:
+            raise TransientAnswer(raw, f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
+        raise UpstreamHTTPError(
+            f"upstream answered {resp.status}", status_code=resp.status, payload=_error_payload(raw)
+        )
 
     async def _stream(
         self, path: str, body: dict[str, Any], asm: ChatStreamAssembler | CompletionStreamAssembler
@@ -245,11 +245,15 @@ class PassthroughBackend:
             completion_ids=completion_ids,
             logprobs=logprobs,
             finish_reason=tok.finish_reason,
-            token_source="engine" if "missing_token_ids" not in checks else "retokenized",
+            token_source="engine" if "missing_token_ids" not in checks else "text_only",
             policy_version=ctx.policy_version,
             usage={k: v for k, v in usage.items() if isinstance(v, int)},
             checks=checks,
         )
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, TransientAnswer) or (isinstance(exc, Http1Error) and not isinstance(exc, Http1ReadTimeout))
 
 
 async def _sse_payloads(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

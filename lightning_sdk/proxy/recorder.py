@@ -9,8 +9,8 @@ durability barrier of ``finish``: it skips the linger, returns once every call a
 before it was called is committed, and raises ``StoreError`` if one of them could not be written. ``drain()``
 does the same for everything queued.
 
-A failing batch is retried with backoff while the store says it is unavailable; otherwise its items are written
-one by one so that one bad item (say, a call for an attempt the store does not know) does not lose the others.
+A failing batch is retried (``lightning_sdk._retry``) while the store says it is unavailable; otherwise its items are
+written one by one so that one bad item (say, a call for an attempt the store does not know) does not lose the others.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import logging
 from collections import defaultdict
 
+from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.errors import LightningSDKError, StoreError, StoreUnavailableError
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Call, Reward
@@ -46,8 +47,7 @@ class Recorder:
         self.linger_s = linger_s
         self._urgent = asyncio.Event()  # set by flush/stop: write now, do not linger
         self.max_batch = max_batch
-        self.retries = retries
-        self.retry_s = retry_s
+        self.retry_policy = RetryPolicy(retries=retries, backoff_s=retry_s)
         self._queue: asyncio.Queue[Call | Reward] = asyncio.Queue(max_pending)
         self._queued: dict[str, int] = defaultdict(int)  # attempt id -> items queued so far
         self._done: dict[str, int] = defaultdict(int)  # attempt id -> items written (or given up on) so far
@@ -186,15 +186,16 @@ class Recorder:
     async def _write(self, batch: list[Call | Reward]) -> None:
         calls = [item for item in batch if isinstance(item, Call)]
         rewards = [item for item in batch if isinstance(item, Reward)]
-        for attempt in range(self.retries + 1):
-            try:
-                await self._commit(calls, rewards)
-                return
-            except LightningSDKError as exc:
-                if attempt == self.retries or not isinstance(exc, StoreUnavailableError):
-                    break
-                logger.warning("recorder: store write failed (%s); retrying", exc)
-                await asyncio.sleep(self.retry_s * 2**attempt)
+        try:
+            await retry(
+                lambda: self._commit(calls, rewards),
+                policy=self.retry_policy,
+                retry_if=lambda exc: isinstance(exc, StoreUnavailableError),
+                what=f"recorder: writing {len(batch)} calls/rewards",
+            )
+            return
+        except LightningSDKError as exc:
+            logger.warning("recorder: batch write failed (%s); writing its items one by one", exc)
         for item in batch:  # isolate the bad item(s)
             await self._write_one(item)
 

@@ -25,7 +25,6 @@ from lightning_sdk.records.build import BuildResult, RecordsConfig, RolloutRepor
 from lightning_sdk.records.export import (
     COLUMNS,
     export_records,
-    load_groups,
     read_jsonl,
     record_row,
     report_json,
@@ -60,7 +59,6 @@ __all__ = [
     "estimator_names",
     "export_records",
     "get_estimator",
-    "load_groups",
     "merge_attempt",
     "read_jsonl",
     "record_row",

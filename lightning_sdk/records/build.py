@@ -34,8 +34,7 @@ from lightning_sdk.records.advantages import (
 )
 from lightning_sdk.records.record import Record, Segment
 from lightning_sdk.records.segments import MergeOptions, MergeStats, merge_attempt
-from lightning_sdk.store.base import FinishedGroup
-from lightning_sdk.types import AttemptDetail, AttemptStatus, RolloutDetail
+from lightning_sdk.types import AttemptDetail, AttemptStatus, FinishedGroup, RolloutDetail
 
 __all__ = ["BuildResult", "RecordsConfig", "RolloutReport", "build_records"]
 
@@ -88,6 +87,7 @@ class RolloutReport:
             "external_calls": s.external_calls,
             "retokenized_calls": s.retokenized_calls,
             "retokenized_excluded": s.retokenized_excluded,
+            "text_only_calls": s.text_only_calls,
             "duplicate_calls": s.duplicate_calls,
             "invalid_calls": s.invalid_calls,
             "empty_calls": s.empty_calls,
@@ -128,6 +128,8 @@ class BuildResult:
             "dropped_groups": self.dropped_groups,
             "calls": sum(r.stats.calls for r in self.reports),
             "trained_calls": sum(r.stats.trained_calls for r in trained),
+            "retokenized_calls": sum(r.stats.retokenized_calls for r in self.reports),
+            "text_only_calls": sum(r.stats.text_only_calls for r in self.reports),
             "tokens": sum(len(rec) for rec in self.records),
             "tokens_trained": sum(rec.segment.n_trained for rec in self.records),
             "split_reasons": reasons,

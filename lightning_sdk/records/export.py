@@ -1,4 +1,5 @@
-"""Export records (JSONL or Parquet, the contract's columns) and the fidelity report; read groups from a store.
+"""Export records (JSONL or Parquet, the contract's columns) and the fidelity report (no I/O but the output file:
+``lightning_sdk.store.load_groups`` reads the groups).
 
 Columns, one row per segment of every trained attempt (ARCHITECTURE.md, "Records export")::
 
@@ -22,13 +23,11 @@ import orjson
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.records.build import BuildResult, RecordsConfig, build_records
 from lightning_sdk.records.record import Record
-from lightning_sdk.store.base import FinishedGroup, Store
-from lightning_sdk.types import Group, RolloutDetail
+from lightning_sdk.types import FinishedGroup
 
 __all__ = [
     "COLUMNS",
     "export_records",
-    "load_groups",
     "read_jsonl",
     "record_row",
     "report_json",
@@ -131,34 +130,10 @@ def write_records(records: Sequence[Record], path: str | Path) -> int:
     return write_jsonl(records, path)
 
 
-async def load_groups(store: Store, *, split: str | None = "train", page: int = 500) -> list[FinishedGroup]:
-    """Every rollout in ``store`` (of ``split``; None = all), with its attempts, grouped by group in creation order.
-
-    Unlike ``Store.finished_groups`` this includes groups already consumed by training and groups with rollouts
-    still running (only succeeded attempts are exported, so those simply have fewer rows).
-    """
-    by_group: dict[str, list[RolloutDetail]] = {}
-    after: str | None = None
-    while True:
-        rollouts, after = await store.list_rollouts(limit=page, after=after)
-        for ro in rollouts:
-            if split is not None and ro.split != split:
-                continue
-            by_group.setdefault(ro.group_id, []).append(await store.get_rollout(ro.rollout_id))
-        if after is None:
-            break
-    out: list[FinishedGroup] = []
-    for gid, details in by_group.items():
-        group = Group(group_id=gid, task=details[0].rollout.task, n=len(details), split=details[0].rollout.split)
-        out.append(FinishedGroup(group, details))
-    return out
-
-
-async def export_records(
-    store: Store, out: str | Path, config: RecordsConfig | None = None, *, split: str | None = "train"
+def export_records(
+    groups: Sequence[FinishedGroup], out: str | Path, config: RecordsConfig | None = None
 ) -> BuildResult:
-    """Build records from every rollout of ``store`` and write them to ``out`` (JSONL or Parquet)."""
-    groups = await load_groups(store, split=split)
+    """Build records from ``groups`` (``lightning_sdk.store.load_groups`` reads them) and write them to ``out``."""
     result = build_records(groups, config)
     n = write_records(result.records, out)
     logger.info("wrote %d records of %d groups to %s", n, len(groups), out)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from lightning_sdk.errors import RecordError
+from lightning_sdk.types import SPLIT_REASONS, SplitReason
 
 __all__ = [
     "SPLIT_REASONS",
@@ -26,12 +27,6 @@ __all__ = [
     "SplitReason",
     "visualize",
 ]
-
-SplitReason = Literal["compaction", "history_edit", "template_rewrite", "branch", "tools_changed"]
-"""Why a segment is not the continuation of the one before it (see docs/records.md). ``tools_changed`` is only
-known from the messages, so it comes from the proxy's render check (``Call.checks["render"]["split_reason"]``)."""
-
-SPLIT_REASONS: tuple[SplitReason, ...] = ("compaction", "history_edit", "template_rewrite", "branch", "tools_changed")
 
 IntArray = npt.NDArray[np.int32]
 MaskArray = npt.NDArray[np.int8]
@@ -75,7 +70,7 @@ class Segment:
     loss_mask: MaskArray
     logprobs: FloatArray
     spans: tuple[CallSpan, ...] = ()
-    split_reason: SplitReason | None = None
+    split_reason: SplitReason | None = None  # why this segment does not continue the one before it
     truncated: bool = False
 
     def __post_init__(self) -> None:

@@ -57,7 +57,8 @@ def render_report(result: BuildResult, console: Console | None = None, *, max_ro
         f"{summ['records']} records from {summ['rollouts_trained']}/{summ['rollouts']} rollouts in "
         f"{summ['groups']} groups; {summ['tokens_trained']}/{summ['tokens']} tokens trained; "
         f"zero-variance groups: {summ['zero_variance_groups']}; split reasons: {_fmt(summ['split_reasons'])}; "
-        f"truncated segments: {summ['truncated_segments']}",
+        f"truncated segments: {summ['truncated_segments']}; retokenized calls: {summ['retokenized_calls']}; "
+        f"text-only calls (no ids, not trained): {summ['text_only_calls']}",
         markup=False,
         highlight=False,
         soft_wrap=True,

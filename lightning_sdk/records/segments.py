@@ -69,6 +69,7 @@ class MergeStats:
     external_calls: int = 0  # not the policy: traced, never trained
     retokenized_calls: int = 0
     retokenized_excluded: int = 0
+    text_only_calls: int = 0  # the engine returned text only and no ids were rebuilt: never trained
     duplicate_calls: int = 0  # retried identical calls (same prompt and completion ids)
     invalid_calls: int = 0  # logprobs missing or of the wrong length: not trained
     empty_calls: int = 0  # no completion ids
@@ -156,6 +157,9 @@ def _collect(calls: Sequence[Call], options: MergeOptions, stats: MergeStats) ->
             continue
         _count(stats.prompt_tokens_by_source, call.token_source, len(call.prompt_ids))
         _count(stats.completion_tokens_by_source, call.token_source, len(call.completion_ids))
+        if call.token_source == "text_only":
+            stats.text_only_calls += 1
+            continue
         if call.token_source == "retokenized":
             stats.retokenized_calls += 1
             if not options.include_retokenized:

@@ -5,22 +5,28 @@ served by ``store_routes`` at ``/lightning/v1/store``); ``open_store(spec)`` pic
 docs/store.md.
 """
 
+from lightning_sdk.store._clock import Clock, ManualClock
 from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
 from lightning_sdk.store._reaper import reap_leases
 from lightning_sdk.store._sync import run_sync
-from lightning_sdk.store.base import FinishedGroup, Store
+from lightning_sdk.store.base import Store
 from lightning_sdk.store.http_client import HTTPStore
 from lightning_sdk.store.http_server import store_routes
+from lightning_sdk.store.loader import load_groups
 from lightning_sdk.store.memory import MemoryStore
 from lightning_sdk.store.sqlite import SQLiteStore
+from lightning_sdk.types import FinishedGroup
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "Clock",
     "FinishedGroup",
     "HTTPStore",
+    "ManualClock",
     "MemoryStore",
     "SQLiteStore",
     "Store",
+    "load_groups",
     "open_store",
     "reap_leases",
     "run_sync",

@@ -60,6 +60,7 @@ __all__ = [
     "RewardsBody",
     "RolloutBody",
     "RolloutDetailBody",
+    "RolloutDetailPageBody",
     "RolloutPageBody",
     "TokenRequest",
     "VersionBody",
@@ -150,6 +151,11 @@ class RolloutBody(_Wire):
 
 class RolloutDetailBody(_Wire):
     detail: RolloutDetail
+
+
+class RolloutDetailPageBody(_Wire):
+    details: list[RolloutDetail]
+    next: str | None
 
 
 class RolloutPageBody(_Wire):

@@ -13,6 +13,7 @@ from lightning_sdk.types import (
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -24,16 +25,6 @@ from lightning_sdk.types import (
 )
 
 __all__ = ["FinishedGroup", "Store"]
-
-
-class FinishedGroup:
-    """A group whose rollouts are all terminal and that no training step has consumed yet."""
-
-    __slots__ = ("group", "rollouts")
-
-    def __init__(self, group: Group, rollouts: list[RolloutDetail]) -> None:
-        self.group = group
-        self.rollouts = rollouts
 
 
 @runtime_checkable
@@ -100,6 +91,12 @@ class Store(Protocol):
         self, *, status: RolloutStatus | None = None, limit: int = 100, after: str | None = None
     ) -> tuple[list[Rollout], str | None]:
         """A page of rollouts in creation order and the cursor of the next page (None at the end)."""
+        ...
+
+    async def list_rollout_details(
+        self, *, limit: int = 100, after: str | None = None
+    ) -> tuple[list[RolloutDetail], str | None]:
+        """``list_rollouts`` with each rollout's attempts, calls and rewards: one read per page (for export)."""
         ...
 
     async def counts(self) -> dict[str, int]:

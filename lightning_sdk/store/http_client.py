@@ -6,30 +6,29 @@ error. A request that may have reached the server but got no answer (read error,
 operations that are safe to repeat: everything except ``open_session`` and ``claim`` (a blind retry of those could
 take a second rollout). ``enqueue`` is made safe by naming the groups on the client. ``finish_attempt`` retried
 after a lost answer may find its own earlier finish and answers it instead of a 409. 4xx answers are never retried.
-Backoff is exponential (``backoff_s * 2**i``, capped at 5 s) with jitter. Errors come back as the same exception
-classes the server raised (``NotFoundError``, ``InvalidTransitionError``, ``ConfigError``, ...); a server that stays
-unreachable raises ``StoreUnavailableError``.
+Backoff and the one-level rule are ``lightning_sdk._retry``'s (exponential from ``backoff_s``, capped at 5 s, with
+jitter). Errors come back as the same exception classes the server raised (``NotFoundError``,
+``InvalidTransitionError``, ``ConfigError``, ...); a server that stays unreachable raises ``StoreUnavailableError``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import random
 from typing import Any, TypeVar
 
 import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import StoreError, StoreUnavailableError
 from lightning_sdk.store import _wire as w
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
     Call,
     Claim,
+    FinishedGroup,
     Group,
     PolicyVersion,
     Resource,
@@ -48,6 +47,10 @@ M = TypeVar("M", bound=BaseModel)
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, httpx.TransportError | TransientAnswer)
+
+
 class HTTPStore:
     """A ``Store`` whose every operation is one HTTP request to ``base_url`` (e.g. ``http://host:4700/lightning/v1/store``)."""
 
@@ -62,8 +65,7 @@ class HTTPStore:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
+        self.retry_policy = RetryPolicy(retries=retries, backoff_s=backoff_s)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             headers={"authorization": f"Bearer {admin_key}", "content-type": "application/json"},
@@ -78,27 +80,31 @@ class HTTPStore:
         content = w.dump(body) if body is not None else None
         clean = {k: v for k, v in (params or {}).items() if v is not None}
         maybe_sent = False
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+
+        async def one_try() -> httpx.Response:
+            nonlocal maybe_sent
             try:
                 resp = await self._client.request(method, path, content=content, params=clean)
-            except _NOT_SENT as exc:
-                if last:
-                    raise StoreUnavailableError(f"store at {self.base_url} unreachable: {exc!r}") from exc
-                reason = repr(exc)
+            except _NOT_SENT:
+                raise
             except httpx.TransportError as exc:
-                if last or not repeatable:
+                if not repeatable:  # it may have reached the server: never repeated
                     raise StoreUnavailableError(f"store at {self.base_url}: {method} {path} failed: {exc!r}") from exc
                 maybe_sent = True
-                reason = repr(exc)
-            else:
-                if resp.status_code < 500 or last:
-                    return resp, maybe_sent
-                reason = f"HTTP {resp.status_code}"
-            delay = min(5.0, self.backoff_s * 2**attempt) * (0.5 + random.random())
-            logger.info("store %s %s: %s; retry %d/%d in %.2fs", method, path, reason, attempt + 1, self.retries, delay)
-            await asyncio.sleep(delay)
-        raise AssertionError("unreachable")  # pragma: no cover
+                raise
+            if resp.status_code >= 500:
+                raise TransientAnswer(resp, f"HTTP {resp.status_code}")
+            return resp
+
+        try:
+            resp = await retry(one_try, policy=self.retry_policy, retry_if=_retryable, what=f"store {method} {path}")
+        except TransientAnswer as exc:  # still failing after the last try: the caller reads the error body
+            return exc.answer, maybe_sent
+        except _NOT_SENT as exc:
+            raise StoreUnavailableError(f"store at {self.base_url} unreachable: {exc!r}") from exc
+        except httpx.TransportError as exc:
+            raise StoreUnavailableError(f"store at {self.base_url}: {method} {path} failed: {exc!r}") from exc
+        return resp, maybe_sent
 
     def _parse(self, resp: httpx.Response, out: type[M]) -> M:
         if resp.status_code >= 400:
@@ -201,6 +207,14 @@ class HTTPStore:
         params = {"status": RolloutStatus(status).value if status is not None else None, "limit": limit, "after": after}
         res = await self._call("GET", "/rollouts", w.RolloutPageBody, params=params)
         return res.rollouts, res.next
+
+    async def list_rollout_details(
+        self, *, limit: int = 100, after: str | None = None
+    ) -> tuple[list[RolloutDetail], str | None]:
+        res = await self._call(
+            "GET", "/rollout-details", w.RolloutDetailPageBody, params={"limit": limit, "after": after}
+        )
+        return res.details, res.next
 
     async def counts(self) -> dict[str, int]:
         res = await self._call("GET", "/counts", w.CountsBody)

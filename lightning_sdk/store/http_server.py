@@ -24,6 +24,7 @@ POST   /calls                           CallsBody                             Ok
 POST   /rewards                         RewardsBody                           OkBody
 GET    /rollouts?status=&limit=&after=  -                                     RolloutPageBody
 GET    /rollouts/{rollout_id}           -                                     RolloutDetailBody
+GET    /rollout-details?limit=&after=   -                                     RolloutDetailPageBody
 POST   /rollouts/{rollout_id}/cancel    -                                     RolloutBody
 GET    /counts                          -                                     CountsBody
 GET    /groups/finished?limit=&split=   -                                     FinishedGroupsBody
@@ -167,6 +168,11 @@ def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
         page, nxt = await store.list_rollouts(status=status, limit=_int_param(request, "limit", 100), after=after)
         return w.RolloutPageBody(rollouts=page, next=nxt)
 
+    async def list_details(request: Request) -> BaseModel:
+        after = request.query_params.get("after") or None
+        page, nxt = await store.list_rollout_details(limit=_int_param(request, "limit", 100), after=after)
+        return w.RolloutDetailPageBody(details=page, next=nxt)
+
     async def get_rollout(request: Request) -> BaseModel:
         return w.RolloutDetailBody(detail=await store.get_rollout(request.path_params["rollout_id"]))
 
@@ -220,6 +226,7 @@ def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
         ("GET", "/rollouts", list_rollouts),
         ("GET", "/rollouts/{rollout_id}", get_rollout),
         ("POST", "/rollouts/{rollout_id}/cancel", cancel),
+        ("GET", "/rollout-details", list_details),
         ("GET", "/counts", counts),
         ("GET", "/groups/finished", finished),
         ("POST", "/groups/consume", consume),

@@ -9,11 +9,10 @@
 See docs/tokens.md.
 """
 
-from lightning_sdk.tokens import _parsers as _parsers  # registers the family parsers
 from lightning_sdk.tokens._bridge import HistoryPolicy, PriorCall, RenderedPrompt, SplitReason, render_prompt
 from lightning_sdk.tokens._families import FAMILIES, Family, detect_family, get_family, register_family
 from lightning_sdk.tokens._messages import message_key, message_text, short_tool_call_id, to_template_messages
-from lightning_sdk.tokens._parse import (
+from lightning_sdk.tokens._parsers import (
     PARSERS,
     OutputParser,
     ParsedReply,

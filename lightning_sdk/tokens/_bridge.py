@@ -38,14 +38,13 @@ from typing import Any, Literal
 from lightning_sdk.errors import TokenizationError
 from lightning_sdk.tokens._messages import message_key, tools_key
 from lightning_sdk.tokens._render import ChatRenderer
-from lightning_sdk.types import Call
+from lightning_sdk.types import Call, SplitReason
 
 __all__ = ["HistoryPolicy", "PriorCall", "RenderedPrompt", "SplitReason", "render_prompt"]
 
 logger = logging.getLogger(__name__)
 
 HistoryPolicy = Literal["exact", "template"]
-SplitReason = Literal["branch", "tools_changed", "compaction", "history_edit", "template_rewrite"]
 
 Message = dict[str, Any]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from lightning_sdk.errors import TokenizationError
 from lightning_sdk.tokens._messages import message_key
-from lightning_sdk.tokens._parse import OutputParser
+from lightning_sdk.tokens._parsers import OutputParser
 from lightning_sdk.tokens._render import ChatRenderer
 
 __all__ = ["Retokenized", "render_reply_text", "retokenize_reply", "retokenize_text"]

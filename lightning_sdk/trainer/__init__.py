@@ -1,6 +1,7 @@
 """The embedded trainer: learner, policy losses, the async trainer daemon and ``lightning-sdk train``.
 
-- ``Learner`` / ``LearnerConfig`` / ``TrainBatch``: one PPO-clip/GRPO update per step on a local torch model.
+- ``Learner`` / ``LearnerConfig`` / ``TrainBatch``: policy gradient with truncated importance sampling on a local
+  torch model (PPO-clip acts when ``ppo_epochs`` / ``mini_batches`` make more than one update per step).
 - ``get_policy_loss`` / ``register_policy_loss``: losses by name (``ppo_clip`` equals verl's vanilla loss).
 - ``TrainerDaemon``: store + proxy + embedded engine + learner in one asyncio process, exactly-once resume.
 - ``build_parts`` / ``Parts``: the engine and learner of ``backend`` / ``[engine]`` (embedded or verl; embedded,

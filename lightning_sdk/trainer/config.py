@@ -74,7 +74,8 @@ class WarmStartSettings(_Section):
 
 
 class RLConfig(_Section):
-    """The RL phase: GRPO over groups of ``samples_per_task`` rollouts, one learner update per step."""
+    """The RL phase: GRPO over groups of ``samples_per_task`` rollouts; ``ppo_epochs x mini_batches`` learner
+    updates per step (one by default: a policy gradient with truncated importance sampling)."""
 
     steps: int = 60
     tasks_per_step: int = 16
@@ -89,6 +90,8 @@ class RLConfig(_Section):
     tis_cap: float = 2.0
     kl_coef: float = 0.0
     micro_batch_tokens: int = 8192
+    ppo_epochs: int = Field(1, ge=1)  # passes over each step's batch (more than one update: the clip acts)
+    mini_batches: int = Field(1, ge=1)  # optimizer updates per pass
     temperature: float = 1.0
     max_tokens: int = 64
     workers: int = 64

@@ -47,10 +47,10 @@ import uvicorn
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.records.batch import build_batch
-from lightning_sdk.store.base import FinishedGroup, Store
+from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.learner import TrainBatch
-from lightning_sdk.types import PolicyVersion, Resource
+from lightning_sdk.types import FinishedGroup, PolicyVersion, Resource
 
 if TYPE_CHECKING:
     from lightning_sdk.trainer.factory import LearnerLike, ServingEngine

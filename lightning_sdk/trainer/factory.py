@@ -161,6 +161,8 @@ def verl_config(config: TrainConfig, model_dir: Path) -> Any:
         "kl_coef": rl.kl_coef,
         "temperature": rl.temperature,
         "micro_batch_tokens": rl.micro_batch_tokens,
+        "ppo_epochs": rl.ppo_epochs,
+        "mini_batches_per_step": rl.mini_batches,
     }
     ours = {k: v for k, v in config.verl.items() if k not in VERL_LAUNCH_KEYS}
     return VerlConfig.model_validate({**base, **ours, "model_dir": str(model_dir)})
@@ -249,6 +251,8 @@ def _learner_config(config: TrainConfig) -> LearnerConfig:
         kl_coef=rl.kl_coef,
         temperature=rl.temperature,
         micro_batch_tokens=rl.micro_batch_tokens,
+        ppo_epochs=rl.ppo_epochs,
+        mini_batches=rl.mini_batches,
     )
 
 

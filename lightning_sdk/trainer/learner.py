@@ -1,15 +1,19 @@
-"""The embedded learner: one policy-gradient update per training step on a local torch model.
+"""The embedded learner: policy gradient with truncated importance sampling on a local torch model, and PPO-clip
+when a step makes more than one update.
 
-    loss = token-mean over trained tokens of  w_t * ppo_clip(pi_old, pi_theta, A_t)
+    loss = token-mean over trained tokens of  w_t * policy_loss(pi_old, pi_theta, A_t)     (``ppo_clip`` by default)
     w_t  = min(exp(logp_old - logp_rollout), tis_cap)     (truncated importance sampling, detached)
 
 ``pi_old`` is the learner's own policy at the start of the step and ``logp_rollout`` is what the engine recorded
-when it sampled the token. With one update per step ``pi_old == pi_theta`` numerically, so the ratio starts at 1 and
-the clip only guards a further update; the off-policy gap of asynchronous training (a group sampled some versions
-ago) is corrected by ``w_t`` and bounded by the daemon's ``max_staleness``. Log-probs use the sampling temperature,
-as the embedded engine records them. An optional KL to a frozen reference (k3 estimator) and the entropy metric
-come from the same forward pass. Micro-batches are cut by a token budget; gradients are clipped by norm; AdamW with
-linear warmup.
+when it sampled the token. A step makes ``ppo_epochs x mini_batches`` optimizer updates (the batch's rows cut into
+``mini_batches`` slices, each pass over all of them). With the default single update, ``pi_theta == pi_old`` when
+the gradient is taken, so the ratio is 1, the clip never acts, and what runs is a policy gradient ``-A w_t log pi``
+(the clip's gradient at ratio 1); with more updates the later ones see a ratio away from 1 and the clip acts, as in
+PPO (Schulman et al., 2017). The off-policy gap of asynchronous training (a group sampled some versions ago) is
+corrected by ``w_t`` and bounded by the daemon's ``max_staleness``. Log-probs use the sampling temperature, as the
+embedded engine records them. An optional KL to a frozen reference (k3 estimator) and the entropy metric come from
+the same forward pass. Micro-batches are cut by a token budget (gradient accumulation within one update);
+gradients are clipped by norm; AdamW with linear warmup (one scheduler step per learner step).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class LearnerConfig:
     kl_coef: float = 0.0
     temperature: float = 1.0
     micro_batch_tokens: int = 8192
+    ppo_epochs: int = 1  # passes over each step's batch
+    mini_batches: int = 1  # optimizer updates per pass (row slices of the batch)
 
 
 @dataclass
@@ -142,16 +148,48 @@ class Learner:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer update on ``batch``; returns loss and diagnostics (means over trained tokens)."""
+        """``ppo_epochs`` passes over ``batch`` in ``mini_batches`` row slices, one optimizer update per slice;
+        returns loss and diagnostics (means over trained tokens and updates)."""
         cfg = self.config
-        n_tokens = float(batch.loss_mask[:, 1:].sum().item())
-        if n_tokens == 0:
+        if float(batch.loss_mask[:, 1:].sum().item()) == 0:
             raise TrainerError("the batch has no trained tokens")
         self.model.train()
+        # pi_old: the policy at the start of the step. With one update it is the update's own forward pass
+        # (detached); with several it is computed once up front, so later updates have a ratio to clip.
+        old = None if cfg.ppo_epochs * cfg.mini_batches == 1 else self._logprobs(batch)
+        slices = _row_slices(batch.input_ids.shape[0], cfg.mini_batches)
+        updates = [self._update(batch, rows, old) for _ in range(cfg.ppo_epochs) for rows in slices]
+        self.scheduler.step()
+        self.steps += 1
+        out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "tokens"}
+        out["tokens"] = updates[0]["tokens"] if len(slices) == 1 else sum(u["tokens"] for u in updates[: len(slices)])
+        out["updates"] = float(len(updates))
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        return out
+
+    @torch.no_grad()
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T-1] log-probs of the current policy for every row (0 past a row's end), micro-batched."""
+        out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
+        for rows in _micro_batches(batch.attention_mask, self.config.micro_batch_tokens):
+            attn = batch.attention_mask[rows]
+            width = int(attn.sum(-1).max().item())
+            ids = batch.input_ids[rows][:, :width].to(self.device)
+            logp, _ = token_logprobs(self.model, ids, attn[:, :width].to(self.device), self.config.temperature)
+            out[rows, : width - 1] = logp.float().cpu()
+        return out
+
+    def _update(self, batch: TrainBatch, subset: list[int], old_all: torch.Tensor | None) -> dict[str, float]:
+        """One optimizer update on the rows ``subset`` of ``batch`` (gradients accumulated over micro-batches)."""
+        cfg = self.config
+        n_tokens = float(batch.loss_mask[subset][:, 1:].sum().item())
+        if n_tokens == 0:  # a mini-batch of rows with no trained token: nothing to update
+            return {"loss": 0.0, "entropy": 0.0, "is_weight": 0.0, "rollout_kl": 0.0, "grad_norm": 0.0, "tokens": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "is_weight": 0.0, "kl_ref": 0.0, "rollout_kl": 0.0}
         extra: dict[str, float] = {}
-        for rows in _micro_batches(batch.attention_mask, cfg.micro_batch_tokens):
+        for local in _micro_batches(batch.attention_mask[subset], cfg.micro_batch_tokens):
+            rows = [subset[i] for i in local]
             ids = batch.input_ids[rows].to(self.device)
             attn = batch.attention_mask[rows].to(self.device)
             width = int(attn.sum(-1).max().item())
@@ -160,7 +198,7 @@ class Learner:
             rollout_lp = batch.logprobs[rows][:, 1:width].to(self.device).float()
             adv = batch.advantages[rows][:, 1:width].to(self.device).float()
             logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature)
-            old = logp.detach()
+            old = logp.detach() if old_all is None else old_all[rows][:, : width - 1].to(self.device)
             is_weight = torch.clamp(torch.exp(old - rollout_lp), max=cfg.tis_cap) * mask
             per_token, metrics = self.loss_fn(old, logp, adv, mask, self.loss_settings)
             per_token = per_token * is_weight
@@ -185,21 +223,25 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainerError("non-finite gradient norm; the update was skipped")
         self.optimizer.step()
-        self.scheduler.step()
-        self.steps += 1
         out = {
             "loss": totals["loss"],
             "entropy": totals["entropy"] / n_tokens,
             "is_weight": totals["is_weight"] / n_tokens,
             "rollout_kl": totals["rollout_kl"] / n_tokens,
             "grad_norm": grad_norm,
-            "lr": float(self.scheduler.get_last_lr()[0]),
             "tokens": n_tokens,
         }
         if self.reference is not None:
             out["kl_ref"] = totals["kl_ref"] / n_tokens
         out.update(extra)
         return out
+
+
+def _row_slices(n_rows: int, mini_batches: int) -> list[list[int]]:
+    """``mini_batches`` contiguous, near-equal row slices (fewer when there are fewer rows)."""
+    k = max(1, min(mini_batches, n_rows))
+    bounds = [round(i * n_rows / k) for i in range(k + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(k)]
 
 
 def _micro_batches(attention_mask: torch.Tensor, token_budget: int) -> Iterator[list[int]]:

@@ -5,7 +5,9 @@ by the learner over the loss mask) plus metrics. ``ppo_clip`` is the clipped sur
 https://arxiv.org/abs/1707.06347) with the dual clip of Ye et al. (2019, https://arxiv.org/abs/1912.09729) for
 negative advantages; it computes exactly what ``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` computes
 (a test compares them on the same tensors), so the embedded and verl backends share the math. GRPO is ``ppo_clip``
-fed with group-normalised advantages.
+fed with group-normalised advantages. The clip only acts when ``logprobs`` have moved away from ``old_logprobs``,
+i.e. from the second optimizer update of a step on (``LearnerConfig.ppo_epochs`` / ``mini_batches``); on the first
+its gradient is the plain policy gradient.
 """
 
 from __future__ import annotations

@@ -176,7 +176,7 @@ def test_engine_without_token_ids_is_flagged_not_trusted(px: ProxyHandle, mock: 
     [call] = px.calls(s["rollout_id"])
     assert call["prompt_ids"] == [] and call["completion_ids"] == []
     assert call["checks"] == {"missing_token_ids": True}
-    assert call["token_source"] == "retokenized"
+    assert call["token_source"] == "text_only"  # nothing retokenized it
 
 
 def test_models_lists_the_upstream_models(px: ProxyHandle) -> None:

@@ -23,9 +23,17 @@ from lightning_sdk.records import (
     reference_advantages,
     zero_variance_groups,
 )
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import Attempt as AttemptRow
-from lightning_sdk.types import AttemptDetail, AttemptStatus, Group, Reward, Rollout, RolloutDetail, RolloutStatus
+from lightning_sdk.types import (
+    AttemptDetail,
+    AttemptStatus,
+    FinishedGroup,
+    Group,
+    Reward,
+    Rollout,
+    RolloutDetail,
+    RolloutStatus,
+)
 from tests.records.calls import Attempt, full
 
 ESTIMATORS = ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline"]

@@ -16,7 +16,8 @@ from lightning_sdk.cli._app import app
 from lightning_sdk.errors import RecordError
 from lightning_sdk.records import build_records
 from lightning_sdk.records.batch import build_batch, to_torch
-from lightning_sdk.records.export import COLUMNS, export_records, load_groups, read_jsonl
+from lightning_sdk.records.export import COLUMNS, export_records, read_jsonl
+from lightning_sdk.store import load_groups
 from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.types import AttemptStatus, Call, Reward
 from tests.records.calls import Attempt, full
@@ -68,7 +69,7 @@ async def test_export_round_trip_through_sqlite_file(tmp_path: Path) -> None:
     store = SQLiteStore(db)
     try:
         groups = await load_groups(store)
-        result = await export_records(store, tmp_path / "out.jsonl")
+        result = export_records(groups, tmp_path / "out.jsonl")
     finally:
         await store.close()
     assert [g.group.group_id for g in groups] == ["grp-a", "grp-b"]

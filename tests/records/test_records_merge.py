@@ -156,6 +156,16 @@ def test_external_and_retokenized_calls_are_not_trained_unless_opted_in() -> Non
     assert opted.segments[0].n_trained == 4
 
 
+def test_text_only_calls_are_counted_as_text_only_never_as_retokenized() -> None:
+    a = Attempt()
+    c0 = a.call([*SYS, 10], [20])
+    a.call([], [], source="text_only", logprobs=[])  # the engine sent text only; nothing rebuilt the ids
+    res = merge_attempt(a.calls, MergeOptions(include_retokenized=True))
+    assert (res.stats.text_only_calls, res.stats.retokenized_calls, res.stats.empty_calls) == (1, 0, 0)
+    assert res.stats.trained_calls == 1
+    assert [seg.input_ids.tolist() for seg in res.segments] == [full(c0)]
+
+
 def test_calls_with_wrong_logprob_counts_are_not_trained() -> None:
     a = Attempt()
     a.call([*SYS, 10], [20, 21], logprobs=[-0.5])

@@ -13,9 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records, merge_attempt
-from lightning_sdk.store.base import FinishedGroup
 from lightning_sdk.types import Attempt as AttemptRow
-from lightning_sdk.types import AttemptDetail, AttemptStatus, Call, Group, Reward, Rollout, RolloutDetail
+from lightning_sdk.types import AttemptDetail, AttemptStatus, Call, FinishedGroup, Group, Reward, Rollout, RolloutDetail
 from tests.records.calls import Attempt, full
 
 

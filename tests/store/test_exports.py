@@ -9,11 +9,14 @@ from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, Store
 def test_exported_members() -> None:
     assert sorted(store_pkg.__all__) == [
         "ADMIN_KEY_ENV",
+        "Clock",
         "FinishedGroup",
         "HTTPStore",
+        "ManualClock",
         "MemoryStore",
         "SQLiteStore",
         "Store",
+        "load_groups",
         "open_store",
         "reap_leases",
         "run_sync",

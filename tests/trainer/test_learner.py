@@ -148,3 +148,32 @@ def test_batch_shapes_are_checked() -> None:
     b = _batch()
     with pytest.raises(TrainerError, match="loss_mask"):
         TrainBatch(b.input_ids, b.attention_mask, b.loss_mask[:, :-1], b.logprobs, b.advantages)
+
+
+def test_one_update_per_step_never_clips_several_updates_do(policy_dir: Path) -> None:
+    """With one update the ratio is 1 when the gradient is taken (a policy gradient); with ``ppo_epochs`` /
+    ``mini_batches`` the later updates see the moved policy and the clip acts."""
+    model, _ = load_policy(policy_dir)
+    batch = _with_rollout_logprobs(model, _batch(3))
+    single = Learner(copy.deepcopy(model), LearnerConfig(lr=3e-2, warmup_steps=1))
+    one = single.step(batch)
+    assert one["updates"] == 1 and one["clip_frac"] == 0.0 and one["ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    several = Learner(copy.deepcopy(model), LearnerConfig(lr=3e-2, warmup_steps=1, ppo_epochs=3, mini_batches=2))
+    out = several.step(batch)
+    assert out["updates"] == 6 and several.steps == 1
+    assert out["clip_frac"] > 0.0  # later updates moved past 1 +- 0.2 and were clipped
+    assert out["tokens"] == float(batch.loss_mask[:, 1:].sum())
+
+
+def test_precomputed_old_logprobs_give_the_single_update(policy_dir: Path) -> None:
+    """``ppo_epochs=1, mini_batches=1`` takes pi_old from the update's own forward; one slice with pi_old computed up
+    front (the path of several updates) must make the same update."""
+    model, _ = load_policy(policy_dir)
+    batch = _with_rollout_logprobs(model, _batch(4))
+    a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
+    b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
+    ra = a.step(batch)
+    rb = b._update(batch, list(range(batch.input_ids.shape[0])), b._logprobs(batch))
+    assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.allclose(pa, pb, atol=1e-6)

@@ -1,0 +1,56 @@
+"""``POST /v1/messages/count_tokens``: the prompt's length in the policy's own tokens.
+
+The request is translated like a Messages call and rendered with the policy's chat template (token mode, or a
+passthrough proxy given the policy tokenizer with ``--tokenizer``). Nothing is generated or recorded. Without the
+policy's tokenizer the proxy cannot count exactly and says so (400) rather than guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from lightning_sdk.errors import LightningSDKError, TokenizationError
+from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
+from lightning_sdk.proxy.surfaces._chat import PriorReplies
+from lightning_sdk.proxy.surfaces._handler import attempt_token, send_error
+from lightning_sdk.proxy.surfaces.messages import MessagesSurface
+
+__all__ = ["count_tokens"]
+
+
+async def count_tokens(proxy: Any, scope: Scope, receive: Receive, send: Send, path_token: str | None) -> None:
+    """Answer ``{"input_tokens": N}`` for a Messages request body (see the module docstring)."""
+    surface = MessagesSurface()
+    try:
+        raw = await proxy._read_json(scope, receive)
+        if isinstance(raw, dict):
+            raw = {"max_tokens": 1, **raw}  # count_tokens takes no max_tokens
+        body = surface.validate(raw)
+        await proxy.attempts.resolve(attempt_token(scope, path_token))
+        backend = proxy.backend_for(body["model"])
+        renderer = getattr(backend, "renderer", None)
+        if renderer is None:
+            raise ProxyHTTPError(
+                400,
+                "count_tokens needs the policy's tokenizer: run the proxy in token mode or with --tokenizer",
+                param="model",
+            )
+        chat = surface.translate(body, PriorReplies(()), "call-count").chat
+        try:
+            ids = await asyncio.to_thread(renderer.render, chat["messages"], chat.get("tools"))
+        except TokenizationError as exc:
+            raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
+    except ProxyHTTPError as err:
+        await send_error(send, surface, err)
+        return
+    except LightningSDKError as exc:
+        await send_error(send, surface, from_sdk_error(exc))
+        return
+    payload = orjson.dumps({"input_tokens": len(ids)})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,262 @@
+"""Serve one surface request (Responses or Messages) through the policy backend and record it like a chat call.
+
+The flow is the chat-completions one (``Proxy.handle_llm``): read the body (413), validate it (400 naming the
+field), resolve the attempt from its token (path token, then ``Authorization: Bearer``, then ``x-api-key``; 401
+unknown, 409 not running), translate to the chat form, call the backend, translate the answer back, and record the
+call. The recorded ``Call.request`` is the chat form the backend served (so the bridge and the records treat every
+surface alike) plus ``request["surface"]``: which API, the original request (for inspection), the session headers,
+the tools the policy was not shown, the ids the proxy handed out and what the agent was shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error, validate_chat
+from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
+from lightning_sdk.types import now
+
+__all__ = ["SESSION_HEADERS", "Surface", "SurfaceStream", "Translation", "attempt_token", "handle_surface"]
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
+"""Request headers kept on the recorded call (``request["surface"]["headers"]``)."""
+
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+@dataclass
+class Translation:
+    """A surface request in the chat form, and what the surface needs to answer it."""
+
+    chat: dict[str, Any]  # the chat-completions body the backend serves
+    record: dict[str, Any]  # request["surface"] of the recorded call
+    stop: list[str] = field(default_factory=list)
+    state: dict[str, Any] = field(default_factory=dict)  # surface-specific (ids, name maps)
+
+
+class SurfaceStream(Protocol):
+    """Turns a backend's chat chunks into the surface's server-sent events."""
+
+    def start(self) -> list[bytes]: ...
+
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]: ...
+
+    def finish(self, reply: Reply) -> list[bytes]: ...
+
+    def error(self, err: ProxyHTTPError) -> bytes: ...
+
+
+class Surface(Protocol):
+    """One API surface over the chat form (``responses.ResponsesSurface``, ``messages.MessagesSurface``)."""
+
+    api: str
+
+    def validate(self, raw: Any) -> dict[str, Any]: ...
+
+    def translate(self, body: dict[str, Any], prior: PriorReplies, call_id: str) -> Translation: ...
+
+    def answer(self, t: Translation, reply: Reply) -> dict[str, Any]: ...
+
+    def stream(self, t: Translation) -> SurfaceStream: ...
+
+    def refs(self, t: Translation, reply: Reply) -> list[str]: ...
+
+    def error_body(self, err: ProxyHTTPError) -> bytes: ...
+
+
+def attempt_token(scope: Scope, path_token: str | None) -> str | None:
+    """The attempt token: the path's ``/t/<token>`` wins, then ``Authorization: Bearer``, then ``x-api-key``."""
+    if path_token:
+        return path_token
+    api_key: str | None = None
+    name: bytes
+    value: bytes
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            text = value.decode("latin-1")
+            if text[:7].lower() == "bearer " and text[7:].strip():
+                return text[7:].strip()
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1").strip() or None
+    return api_key
+
+
+def session_headers(scope: Scope) -> dict[str, str]:
+    return {name.decode(): value.decode("latin-1") for name, value in scope["headers"] if name in SESSION_HEADERS}
+
+
+async def send_error(send: Send, surface: Surface, err: ProxyHTTPError, call_id: str | None = None) -> None:
+    from lightning_sdk.proxy.app import CALL_ID_HEADER
+
+    body = surface.error_body(err)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if call_id is not None:
+        headers.append((CALL_ID_HEADER, call_id.encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _chunk_dict(item: StreamItem) -> dict[str, Any]:
+    if isinstance(item, bytes):
+        data: dict[str, Any] = orjson.loads(item)
+        return data
+    assert isinstance(item, dict)
+    return item
+
+
+async def handle_surface(
+    proxy: Any, surface: Surface, scope: Scope, receive: Receive, send: Send, path_token: str | None
+) -> None:
+    """Serve one surface request on ``proxy`` (a ``lightning_sdk.proxy.app.Proxy``) and record it."""
+    from lightning_sdk.proxy import app as _app  # the app imports this package: bind its helpers at call time
+
+    started = now()
+    state = None
+    ctx: CallContext | None = None
+    t: Translation | None = None
+    result: ChatResult | None = None
+    error: str | None = None
+    watch = None
+    stream = False
+    try:
+        raw = await proxy._read_json(scope, receive)
+        body = surface.validate(raw)
+        stream = bool(body.get("stream"))
+        state = await proxy.attempts.resolve(attempt_token(scope, path_token))
+        backend = proxy.backend_for(body["model"])
+        seq = await state.take_seq(proxy.store)
+        ctx = CallContext(
+            attempt=state.attempt,
+            call_id=_app._call_id(),
+            seq=seq,
+            model=body["model"],
+            policy_version=await proxy.policy_version(),
+            _earlier=_app._earlier(state, proxy.store, seq),
+        )
+        state.call_ids.add(ctx.call_id)
+        t = surface.translate(body, PriorReplies(await ctx.earlier_calls()), ctx.call_id)
+        validate_chat(t.chat)  # the checks chat completions get (names in errors are the chat form's)
+        t.record["headers"] = session_headers(scope)
+        if proxy.config.cancel_on_disconnect:
+            watch = _app._HangUpWatch(receive, proxy.config.hang_up_watch_after_s)
+        state.inflight += 1
+        try:
+            if stream:
+                chat = dict(t.chat, stream=True, stream_options={"include_usage": True})
+                items = backend.chat_stream(chat, ctx)
+                first = await anext(items)  # errors before the first byte still get a proper status code
+                result, error = await _relay(send, surface.stream(t), first, items, ctx.call_id, t.stop)
+            else:
+                result = await backend.chat(t.chat, ctx)
+        finally:
+            state.inflight -= 1
+            if watch is not None:
+                watch.close()
+    except ProxyHTTPError as err:
+        error = err.message if ctx is not None else None
+        await send_error(send, surface, err, ctx.call_id if ctx is not None else None)
+    except UpstreamHTTPError as exc:
+        error = str(exc)
+        refused = ProxyHTTPError(exc.status_code, _upstream_message(exc))
+        await send_error(send, surface, refused, ctx.call_id if ctx is not None else None)
+    except LightningSDKError as exc:
+        error = str(exc)
+        await send_error(send, surface, from_sdk_error(exc), ctx.call_id if ctx is not None else None)
+    except asyncio.CancelledError:
+        if watch is None or not watch.gone:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        error = "the agent disconnected before the reply was complete"
+    except Exception as exc:  # a bug in a translation must not lose the call: answer 500 (if still possible), record
+        logger.exception("%s surface failed", surface.api)
+        error = f"internal error: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):  # the answer may have started already (a stream)
+            await send_error(send, surface, ProxyHTTPError(500, error, kind="server_error"))
+    else:
+        if result is not None and not stream and t is not None and ctx is not None:
+            payload = orjson.dumps(surface.answer(t, Reply.from_chat(result.response, t.stop)))
+            headers = _app._json_headers(len(payload), ctx.call_id)
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": payload})
+    if state is None or ctx is None:
+        return
+    recorded = dict(t.chat) if t is not None else {}
+    if t is not None:
+        if result is not None and error is None:
+            reply = Reply.from_chat(result.response, t.stop)
+            t.record["shown"] = reply.shown()
+            t.record["refs"] = surface.refs(t, reply)
+        recorded["surface"] = t.record
+    call = proxy._make_call(ctx, recorded, result if error is None else None, True, started)
+    if error is not None:
+        call.error = error
+    else:
+        state.add_call(call)
+    await proxy.recorder.add_call(call)
+
+
+def _upstream_message(exc: UpstreamHTTPError) -> str:
+    payload = exc.payload or {}
+    inner = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+        return str(inner["message"])
+    return str(exc)
+
+
+async def _relay(
+    send: Send,
+    out: SurfaceStream,
+    first: StreamItem,
+    items: AsyncIterator[StreamItem],
+    call_id: str,
+    stop: list[str],
+) -> tuple[ChatResult | None, str | None]:
+    """Send the surface's events for a backend stream; returns its ``ChatResult`` or the error that cut it off."""
+    from lightning_sdk.proxy.app import CALL_ID_HEADER
+
+    headers = [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async def emit(events: list[bytes]) -> None:
+        if events:
+            await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+
+    await emit(out.start())
+    result: ChatResult | None = None
+    item: StreamItem | None = first
+    try:
+        while item is not None:
+            if isinstance(item, ChatResult):
+                result = item
+            else:
+                await emit(out.feed(_chunk_dict(item)))
+            item = await anext(items, None)
+    except LightningSDKError as exc:
+        err = from_sdk_error(exc)
+        await send({"type": "http.response.body", "body": out.error(err)})
+        return None, str(exc)
+    if result is None:
+        err = ProxyHTTPError(502, "the stream ended without a result")
+        await send({"type": "http.response.body", "body": out.error(err)})
+        return None, err.message
+    await send({"type": "http.response.body", "body": b"".join(out.finish(Reply.from_chat(result.response, stop)))})
+    return result, None
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event with a name (both surfaces name their events)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"

@@ -1,0 +1,89 @@
+"""The coding example end to end against a scripted upstream: ``coder.py`` (a real subprocess in a real sandbox)
+talks to the real proxy (loopback) in front of the mock OpenAI server, which scripts the episode: grep, sed, submit.
+The verifier scores it on a fresh sandbox; the calls are traced with exact ids; nothing is left behind. Then the
+failure paths: a wrong fix scores 0, a model that never submits scores 0, a hanging tool command is cut off."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning_sdk.agent as la
+from lightning_sdk.sandbox import SandboxLimits, SandboxSpec
+from tests.agent.stack import assert_calls_traced, proxy_stack
+from tests.support.mock_openai import MockOpenAI, MockReply
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "coding_agent"
+sys.path.insert(0, str(EXAMPLE))
+
+import tasks as T  # noqa: E402
+
+
+def _agent(tmp_path: Path) -> la.CommandAgent:
+    example = la.load_agent(f"{EXAMPLE / 'agent.py'}:agent")
+    assert isinstance(example, la.CommandAgent) and example.sandbox is not None
+    spec = SandboxSpec(limits=SandboxLimits(wall_s=60), backend_options={"root": str(tmp_path / "boxes")})
+    return la.CommandAgent(example.command, reward=example.reward, timeout=60, sandbox=spec, name="coder")
+
+
+def _script(fixes: dict[str, str], *, never_submit: bool = False, hang: bool = False) -> Any:
+    """An upstream playing the demonstration: grep the failing function, apply ``fixes[function]``, submit."""
+
+    def reply(body: dict[str, Any]) -> MockReply:
+        messages = body["messages"]
+        assert [t["function"]["name"] for t in body["tools"]] == ["bash", "submit"]
+        issue = messages[1]["content"]
+        function = issue.split("\n", 1)[0].split("::test_", 1)[1].rsplit("_", 1)[0]
+        tool_turns = sum(m["role"] == "tool" for m in messages)
+        if tool_turns == 0:
+            cmd = "sleep 30" if hang else f"grep -rn -A5 'def {function}' mathkit"
+            return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": cmd})}])
+        if tool_turns == 1:
+            return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": fixes[function]})}])
+        if never_submit:
+            return MockReply(text="I am done.")
+        return MockReply(tool_calls=[{"name": "submit", "arguments": "{}"}])
+
+    return reply
+
+
+async def test_scripted_episodes_are_verified_traced_and_cleaned_up(tmp_path: Path) -> None:
+    pairs = T.make_tasks_with_fixes("heldout", 4, seed=21)
+    tasks = [t for t, _ in pairs]
+    good = {t["function"]: T.fix_command(t, f) for t, f in pairs[:2]}
+    wrong = {t["function"]: f"sed -i '1s/def/def/' {t['path']}" for t, _ in pairs[2:]}
+    mock = MockOpenAI(reply=_script({**good, **wrong}))
+    agent = _agent(tmp_path)
+    async with proxy_stack(tmp_path, mock) as st:
+        summary = await la.run_tasks(agent, st.store, st.url, tasks, n_workers=4)
+        rewards = {r.task["function"]: r.reward for r in summary.rollouts}
+        assert rewards == {**dict.fromkeys(good, 1.0), **dict.fromkeys(wrong, 0.0)}
+        for r in summary.rollouts:
+            assert_calls_traced(await st.store.get_rollout(r.rollout_id), min_calls=3)
+        # the tool outputs the model saw: the real grep output of the sandbox, "(no output)" after sed
+        seen = {b["messages"][3]["content"] for b in mock.requests if len(b["messages"]) == 4}
+        assert seen == {T.grep_output(t) for t in tasks}
+        assert {b["messages"][5]["content"] for b in mock.requests if len(b["messages"]) == 6} == {"(no output)"}
+    assert agent.sandbox is not None and agent.sandbox.get_backend().active() == 0
+    assert not any((tmp_path / "boxes").iterdir())
+
+
+async def test_no_submit_scores_zero_and_a_hanging_command_is_cut_off(tmp_path: Path) -> None:
+    pairs = T.make_tasks_with_fixes("heldout", 2, seed=22)
+    fixes = {t["function"]: T.fix_command(t, f) for t, f in pairs}
+    agent = _agent(tmp_path)
+    async with proxy_stack(tmp_path, MockOpenAI(reply=_script(fixes, never_submit=True))) as st:
+        summary = await la.run_tasks(agent, st.store, st.url, [pairs[0][0]], n_workers=1)
+        assert [r.reward for r in summary.rollouts] == [0.0]
+    hang_agent = la.CommandAgent(
+        [*agent.command, "--cmd-timeout", "0.5"], reward=agent.reward, timeout=60, sandbox=agent.sandbox
+    )
+    mock = MockOpenAI(reply=_script(fixes, hang=True))
+    async with proxy_stack(tmp_path / "2", mock) as st:
+        summary = await la.run_tasks(hang_agent, st.store, st.url, [pairs[1][0]], n_workers=1)
+        assert [r.reward for r in summary.rollouts] == [1.0]  # the fix still landed after the cut-off command
+        assert "(killed after 0.5 s)" in mock.requests[1]["messages"][3]["content"]
+    assert not any((tmp_path / "boxes").iterdir())

@@ -1,0 +1,240 @@
+"""The local-process sandbox backend, with real processes: every limit it claims is enforced, every way an attempt
+can end leaves nothing behind (also a SIGKILLed owner, reaped by the next backend), and the cap holds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_sdk.sandbox import LocalBackend, SandboxError, SandboxLimits, describe_enforcement, reap_leftovers
+
+PY = sys.executable
+FILES = {"pkg/__init__.py": "", "pkg/mod.py": "def f(x):\n    return x + 1\n"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_dead(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> LocalBackend:
+    return LocalBackend(root=tmp_path / "boxes", max_sandboxes=4, create_timeout_s=5)
+
+
+async def test_files_exec_snapshot_and_close(backend: LocalBackend) -> None:
+    box = await backend.create(FILES, SandboxLimits(wall_s=60))
+    assert Path(box.path, "pkg/mod.py").read_text() == FILES["pkg/mod.py"]
+    res = await box.exec("sed -i 's/x + 1/x + 2/' pkg/mod.py && cat pkg/mod.py && pwd")
+    assert res.exit_code == 0 and "return x + 2" in res.stdout
+    assert res.stdout.strip().endswith(box.path)
+    assert box.snapshot() == {"pkg/__init__.py": "", "pkg/mod.py": "def f(x):\n    return x + 2\n"}
+    assert backend.active() == 1
+    await box.close()
+    await box.close()  # idempotent
+    assert not Path(box.path).exists() and backend.active() == 0
+
+
+async def test_output_is_truncated_and_exit_codes_kept(backend: LocalBackend) -> None:
+    async with await backend.create(FILES, SandboxLimits(output_bytes=100)) as box:
+        res = await box.exec([PY, "-c", "import sys; print('x' * 5000); sys.exit(3)"])
+        assert res.exit_code == 3 and res.truncated and len(res.stdout) == 100
+
+
+async def test_cpu_time_limit_kills_a_busy_loop(backend: LocalBackend) -> None:
+    async with await backend.create(FILES, SandboxLimits(cpu_s=1)) as box:
+        res = await box.exec([PY, "-c", "while True: pass"], timeout=60)
+        assert not res.timed_out
+        assert res.exit_code in (-signal.SIGXCPU, -signal.SIGKILL)
+
+
+async def test_memory_limit_refuses_a_large_allocation(backend: LocalBackend) -> None:
+    async with await backend.create(FILES, SandboxLimits(memory_mb=300)) as box:
+        res = await box.exec([PY, "-c", "b = bytearray(600 * 1024 * 1024)"])
+        assert res.exit_code != 0 and "MemoryError" in res.stderr
+        ok = await box.exec([PY, "-c", "b = bytearray(20 * 1024 * 1024); print(len(b))"])
+        assert ok.exit_code == 0 and ok.stdout.strip() == str(20 * 1024 * 1024)
+
+
+async def test_file_size_limit(backend: LocalBackend) -> None:
+    async with await backend.create(FILES, SandboxLimits(file_size_mb=1)) as box:
+        res = await box.exec("head -c 3000000 /dev/zero > big.bin")
+        assert res.exit_code != 0
+        assert os.path.getsize(Path(box.path, "big.bin")) <= 1024 * 1024
+
+
+async def test_process_count_limit(backend: LocalBackend) -> None:
+    async with await backend.create(FILES, SandboxLimits(max_processes=8)) as box:
+        script = "for i in $(seq 1 30); do sleep 5 & done; wait"
+        res = await box.exec(script, timeout=20)
+        assert "fork" in res.stderr.lower() or "resource temporarily unavailable" in res.stderr.lower(), res
+        assert res.exit_code != 0 or res.stderr
+
+
+async def test_wall_timeout_kills_the_process_group_including_grandchildren(backend: LocalBackend) -> None:
+    async with await backend.create(FILES) as box:
+        t0 = time.monotonic()
+        res = await box.exec("sleep 60 & echo $!; sleep 60", timeout=0.5)
+        assert res.timed_out and time.monotonic() - t0 < 10
+        grandchild = int(res.stdout.split()[0])
+        assert _wait_dead(grandchild)
+
+
+async def test_sandbox_wall_deadline_kills_started_programs(backend: LocalBackend) -> None:
+    box = await backend.create(FILES, SandboxLimits(wall_s=0.5))
+    proc = await box.start(["sleep", "60"])
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL
+    with pytest.raises(SandboxError, match="wall time"):
+        await box.exec("true")
+    await box.close()
+
+
+@pytest.mark.skipif(not describe_enforcement()["network"].startswith("exec()"), reason="unshare -n not permitted")
+async def test_exec_has_no_network_where_the_os_allows(backend: LocalBackend) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+    try:
+        async with await backend.create(FILES) as box:
+            res = await box.exec([PY, "-c", code])
+            assert res.exit_code != 0 and "connected" not in res.stdout
+            proc = await box.start([PY, "-c", code])  # a harness keeps the network (it must reach the proxy)
+            out, _ = await proc.communicate()
+            assert out.decode().strip() == "connected"
+        open_box = await backend.create(FILES, SandboxLimits(network=True))
+        res = await open_box.exec([PY, "-c", code])
+        assert res.stdout.strip() == "connected"
+        await open_box.close()
+    finally:
+        server.close()
+
+
+async def test_close_kills_background_processes_and_removes_everything(backend: LocalBackend) -> None:
+    box = await backend.create(FILES)
+    proc = await box.start(["bash", "-c", "setsid sleep 60 & echo $!; sleep 60"])
+    assert proc.stdout is not None
+    escaped = int((await proc.stdout.readline()).decode())  # left the process group: found by cgroup / marker
+    cgroups = list(box.cgroups)
+    await box.close()
+    assert _wait_dead(proc.pid) and _wait_dead(escaped)
+    assert not box.directory.exists()
+    assert all(not Path(cg).exists() for cg in cgroups)
+
+
+async def test_cleanup_on_error_and_cancellation(backend: LocalBackend) -> None:
+    with pytest.raises(RuntimeError):
+        async with await backend.create(FILES) as box:
+            await box.start(["sleep", "60"])
+            raise RuntimeError("harness crashed")
+    assert not box.directory.exists() and backend.active() == 0
+
+    box2 = await backend.create(FILES)
+
+    async def attempt() -> None:
+        async with box2:
+            await box2.exec("sleep 60")
+
+    task = asyncio.create_task(attempt())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not box2.directory.exists() and backend.active() == 0
+
+
+async def test_cap_waits_for_a_slot_then_times_out(tmp_path: Path) -> None:
+    backend = LocalBackend(root=tmp_path / "capped", max_sandboxes=2, create_timeout_s=0.3)
+    a = await backend.create(FILES)
+    b = await backend.create(FILES)
+    with pytest.raises(SandboxError, match="no sandbox slot free"):
+        await backend.create(FILES)
+    verifier = await a.fresh({"x.txt": "1"})  # a verifier copy shares its parent's slot
+    assert backend.active() == 3
+    await verifier.close()
+
+    async def later() -> None:
+        await asyncio.sleep(0.1)
+        await a.close()
+
+    closer = asyncio.create_task(later())
+    c = await backend.create(FILES)  # got a's slot
+    await closer
+    assert backend.active() == 2
+    await b.close()
+    await c.close()
+    assert backend.active() == 0 and not any((tmp_path / "capped").iterdir())
+
+
+async def test_clear_errors(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SandboxError, match="cannot create the sandbox root"):
+        LocalBackend(root=blocker / "sub")
+    backend = LocalBackend(root=tmp_path / "ok")
+    with pytest.raises(SandboxError, match="outside the sandbox"):
+        await backend.create({"../escape.py": "x"})
+    assert backend.active() == 0 and not any((tmp_path / "ok").iterdir())
+    async with await backend.create(FILES) as box:
+        with pytest.raises(SandboxError, match="cannot start '/nonexistent/program'"):
+            await box.start(["/nonexistent/program"])
+
+
+OWNER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from lightning_sdk.sandbox import LocalBackend
+    async def main():
+        backend = LocalBackend(root=sys.argv[1])
+        box = await backend.create({"a.txt": "x"})
+        proc = await box.start(["sleep", "300"])
+        print(json.dumps({"dir": str(box.directory), "pid": proc.pid, "cgroups": box.cgroups}), flush=True)
+        await asyncio.sleep(300)
+    asyncio.run(main())
+    """
+)
+
+
+def test_sigkilled_owner_leftovers_are_reaped_at_the_next_start(tmp_path: Path) -> None:
+    root = tmp_path / "boxes"
+    owner = subprocess.Popen([PY, "-c", OWNER, str(root)], stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None
+    info = json.loads(owner.stdout.readline())
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    assert _alive(info["pid"]) and Path(info["dir"]).exists()  # nobody cleaned up after the SIGKILL
+    backend = LocalBackend(root=root)  # the next start
+    assert backend.reaped == 1
+    assert _wait_dead(info["pid"])
+    assert not Path(info["dir"]).exists()
+    assert all(not Path(cg).exists() for cg in info["cgroups"])
+    assert reap_leftovers(root) == 0
+
+
+async def test_live_owners_sandboxes_are_not_reaped(backend: LocalBackend) -> None:
+    async with await backend.create(FILES) as box:
+        assert reap_leftovers(backend.root) == 0
+        assert Path(box.path).exists()

@@ -1,0 +1,124 @@
+"""The real coding-agent CLIs through the proxy: Claude Code (Messages API) and Codex CLI (Responses API).
+
+Marker ``real_cli`` (not in the default suite): the CLIs are installed from npm, pinned, into a cache directory
+outside the repository (``$LIGHTNING_SDK_REAL_CLI_DIR``, default ``~/.cache/lightning_sdk_real_cli``) by the
+``cli_bin`` fixture (``.ci/run`` runs this stage; Node 20 and npm are needed). Each CLI runs as a subprocess in a
+scratch directory with a scratch ``HOME``, pointed at the real proxy; in passthrough the proxy forwards to
+``ScriptedUpstream`` (a vLLM-style loopback server; tests/surfaces/upstream.py) whose script decides the tool call
+and the final answer, and the CLI really runs the shell command (its output, computed by the shell, comes back in
+the tool result and into the final answer). In token mode the proxy serves the tiny default policy on the embedded
+engine: Claude Code's prompt is far past its context, and the refusal must be clean, recorded and shown by the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.proxy import ProxyHandle
+from tests.surfaces.conftest import ScriptedReply, one_segment, passthrough_proxy, recorded_calls
+
+pytestmark = pytest.mark.real_cli
+
+PACKAGES = {"claude": "@anthropic-ai/claude-code@2.1.328", "codex": "@openai/codex@0.169.0"}
+"""The pinned CLI packages (the versions the wire formats were read from)."""
+
+
+def _cli_dir() -> Path:
+    return Path(os.environ.get("LIGHTNING_SDK_REAL_CLI_DIR", Path.home() / ".cache" / "lightning_sdk_real_cli"))
+
+
+def _installed(root: Path, package: str) -> bool:
+    name, _, version = package.rpartition("@")
+    manifest = root / "node_modules" / name / "package.json"
+    return manifest.exists() and json.loads(manifest.read_text()).get("version") == version
+
+
+@pytest.fixture(scope="session")
+def cli_bin() -> Path:
+    """``node_modules/.bin`` of the pinned CLIs (installed with npm on first use)."""
+    root = _cli_dir()
+    if not all(_installed(root, p) for p in PACKAGES.values()):
+        if shutil.which("npm") is None:
+            pytest.fail("the real_cli tests need node and npm (Node >= 20) on PATH")
+        root.mkdir(parents=True, exist_ok=True)
+        cmd = ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(root), *PACKAGES.values()]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"npm install failed:\n{proc.stdout}\n{proc.stderr}"
+    return root / "node_modules" / ".bin"
+
+
+def _run(
+    argv: list[str], tmp_path: Path, env: dict[str, str], timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir(exist_ok=True)
+    home.mkdir(exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "TERM", "TMPDIR")}
+    full = {**base, "HOME": str(home), "NO_COLOR": "1", **env}
+    return subprocess.run(argv, cwd=work, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_tool_text(body: dict[str, Any]) -> str | None:
+    last = body["messages"][-1]
+    return str(last.get("content")) if last.get("role") == "tool" else None
+
+
+def _check_episode(px: ProxyHandle, session: dict[str, Any], sampled: list[Any], api: str) -> None:
+    assert px.finish(session["token"]).status_code == 200
+    calls = recorded_calls(px, session["rollout_id"])
+    assert len(calls) == len(sampled) >= 2
+    for call, (prompt, completion, lps) in zip(calls, sampled, strict=True):
+        assert call.error is None and call.attempt_id == session["attempt_id"]
+        assert (call.prompt_ids, call.completion_ids, call.logprobs) == (prompt, completion, lps)
+        assert call.request["surface"]["api"] == api
+    assert one_segment(calls)  # the whole episode, tool call and answer, is one training sequence
+
+
+def test_claude_code_runs_a_shell_tool_through_the_passthrough_proxy(cli_bin: Path, tmp_path: Path) -> None:
+    def decide(body: dict[str, Any]) -> ScriptedReply:
+        result = _last_tool_text(body)
+        if result is None:
+            command = {"command": "echo claude-$((6*7))", "description": "Print a number"}
+            return ScriptedReply("Running it.", tool_calls=[("Bash", json.dumps(command))])
+        return ScriptedReply(f"FINAL: {'claude-42' if 'claude-42' in result else 'no output: ' + result}")
+
+    with passthrough_proxy(tmp_path, [decide] * 6) as (px, upstream):
+        s = px.session({"cli": "claude"})
+        env = {"ANTHROPIC_BASE_URL": px.url, "ANTHROPIC_AUTH_TOKEN": s["token"], "DISABLE_TELEMETRY": "1"}
+        argv = [str(cli_bin / "claude"), "-p", "Print 6*7 with the shell.", "--model", "policy"]
+        proc = _run([*argv, "--allowedTools", "Bash"], tmp_path, env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "FINAL: claude-42" in proc.stdout  # the shell really ran: only it prints claude-42
+        _check_episode(px, s, upstream.sampled, "messages")
+        calls = recorded_calls(px, s["rollout_id"])
+    assert calls[0].request["surface"]["headers"]["x-claude-code-session-id"]
+    assert [t["function"]["name"] for t in calls[0].request["tools"]].count("Bash") == 1
+
+
+def test_codex_runs_a_shell_tool_through_the_passthrough_proxy(cli_bin: Path, tmp_path: Path) -> None:
+    def decide(body: dict[str, Any]) -> ScriptedReply:
+        result = _last_tool_text(body)
+        if result is None:
+            return ScriptedReply(tool_calls=[("exec_command", json.dumps({"cmd": "echo codex-$((6*7))"}))])
+        return ScriptedReply(f"FINAL: {'codex-42' if 'codex-42' in result else 'no output: ' + result}")
+
+    with passthrough_proxy(tmp_path, [decide] * 6) as (px, upstream):
+        s = px.session({"cli": "codex"})
+        provider = f'model_providers.P={{name="P",base_url="{px.url}/v1",wire_api="responses",env_key="LSDK_TOKEN"}}'
+        argv = [str(cli_bin / "codex"), "exec", "--skip-git-repo-check", "-c", "model_provider=P", "-c", provider]
+        argv += ["-s", "danger-full-access", "-m", "policy", "Print 6*7 with the shell."]
+        proc = _run(argv, tmp_path, {"LSDK_TOKEN": s["token"]})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "FINAL: codex-42" in proc.stdout
+        _check_episode(px, s, upstream.sampled, "responses")
+        calls = recorded_calls(px, s["rollout_id"])
+    surface = calls[0].request["surface"]
+    assert surface["headers"]["session-id"] and "web_search" in surface["hidden_tools"]
+    assert surface["request"]["store"] is False
