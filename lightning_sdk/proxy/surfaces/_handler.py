@@ -171,8 +171,7 @@ async def handle_surface(
         await send_error(send, surface, err, ctx.call_id if ctx is not None else None)
     except UpstreamHTTPError as exc:
         error = str(exc)
-        refused = ProxyHTTPError(exc.status_code, _upstream_message(exc))
-        await send_error(send, surface, refused, ctx.call_id if ctx is not None else None)
+        await send_error(send, surface, upstream_refusal(exc), ctx.call_id if ctx is not None else None)
     except LightningSDKError as exc:
         error = str(exc)
         await send_error(send, surface, from_sdk_error(exc), ctx.call_id if ctx is not None else None)
@@ -209,12 +208,22 @@ async def handle_surface(
     await proxy.recorder.add_call(call)
 
 
-def _upstream_message(exc: UpstreamHTTPError) -> str:
+def upstream_refusal(exc: UpstreamHTTPError) -> ProxyHTTPError:
+    """The engine's 4xx as this proxy's error: its message, and ``context_length_exceeded`` when the engine says
+    the prompt does not fit (vLLM: "This model's maximum context length is N tokens ..."), so each surface can
+    word it its own way (Anthropic clients act on "prompt is too long")."""
     payload = exc.payload or {}
-    inner = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-        return str(inner["message"])
-    return str(exc)
+    inner = payload.get("error", payload) if isinstance(payload, dict) else None
+    message = str(exc)
+    code: str | None = None
+    if isinstance(inner, dict):
+        if isinstance(inner.get("message"), str):
+            message = inner["message"]
+        if isinstance(inner.get("code"), str):
+            code = inner["code"]
+    if code is None and "maximum context length" in message:
+        code = "context_length_exceeded"
+    return ProxyHTTPError(exc.status_code, message, code=code)
 
 
 async def _relay(
