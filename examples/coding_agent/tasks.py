@@ -321,7 +321,7 @@ def _inject(fn: Function, kind: str, rng: random.Random) -> tuple[str, int, str,
         frag = fix_fragments(lines[k], bad)
         if frag is None:
             continue
-        source = "\n".join([*lines[:k], bad, *lines[k + 1:]]) + "\n"
+        source = "\n".join([*lines[:k], bad, *lines[k + 1 :]]) + "\n"
         buggy = Function(fn.name, fn.shape, source, fn.args)
         if any(_outcome(buggy, args) != expected for args, expected in cases):
             return source, k, frag[0], frag[1]
@@ -513,7 +513,7 @@ def demonstrations() -> list[dict[str, Any]]:
 
 
 def validation_tasks() -> list[dict[str, Any]]:
-    return make_tasks("train", 64, seed=5)
+    return make_tasks("train", 32, seed=5)
 
 
 if __name__ == "__main__":
