@@ -1,21 +1,21 @@
-"""The running attempt as ambient context, so ``emit_reward`` works anywhere inside an agent.
+"""The running attempt as context, so ``emit_reward`` works anywhere inside an agent.
 
 ``emit_reward(value)`` has to find the attempt it belongs to without the user passing it around. The worker makes
 the attempt current in a ``contextvars.ContextVar`` before it calls the agent, which covers:
 
 * async agents and every asyncio task they create (tasks copy the context of their creator);
 * sync agents, which the worker runs in a thread inside ``contextvars.copy_context()``;
-* ``asyncio.to_thread`` / ``loop.run_in_executor`` calls made with a copied context;
-* plain ``threading.Thread`` objects the agent starts itself: Python 3.11-3.13 threads begin with an empty context,
-  so the first time an attempt becomes current this module wraps ``threading.Thread.start`` (once per process):
-  a thread started while an attempt is current runs with that attempt current. Threads started elsewhere are
-  untouched. (A pool thread keeps the attempt of whoever started it: submit to a long-lived executor with
-  ``contextvars.copy_context().run`` to be exact.)
+* ``asyncio.to_thread`` (it copies the context) and ``loop.run_in_executor`` with a copied context;
+* threads the agent starts with ``lightning_sdk.agent.Thread`` (a ``threading.Thread`` that runs in a copy of the
+  context that started it) and work submitted to ``lightning_sdk.agent.ContextExecutor`` (a ``ThreadPoolExecutor``
+  that runs each call in a copy of the submitter's context);
+* anything else, explicitly: ``attempt = current_attempt()`` in the agent, then ``emit_reward(v, attempt=attempt)``
+  from wherever the work runs.
 
-When no attempt is current in the calling context but exactly one attempt is running in the process, that one is
-used (one attempt per process is the common case of a command agent or a single worker). With several running and
-none current, ``emit_reward`` raises rather than guess. With none running at all (the agent called as plain code)
-it records nothing.
+Nothing is patched: a plain ``threading.Thread`` starts with an empty context on Python 3.11-3.13, so a reward
+emitted there has no attempt. ``emit_reward`` then records nothing and logs a warning naming the two ways above
+(from the main thread of plain code, outside training, it is a silent no-op as before). There is no process-wide
+registry of running attempts to guess from.
 
 Rewards are buffered on the attempt and written by the worker when the agent returns, before the attempt is
 finished, so they are committed inside the durability barrier and never cross threads or event loops.
@@ -27,17 +27,20 @@ import contextvars
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
 from lightning_sdk.agent._llm import LLM
 from lightning_sdk.errors import AttemptNotRunningError, LightningSDKError
 from lightning_sdk.types import Task
 
-__all__ = ["AttemptContext", "EmittedReward", "current_attempt", "emit_reward"]
+__all__ = ["AttemptContext", "ContextExecutor", "EmittedReward", "Thread", "current_attempt", "emit_reward"]
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,64 +83,29 @@ class AttemptContext:
 _current: contextvars.ContextVar[AttemptContext | None] = contextvars.ContextVar("lightning_attempt", default=None)
 
 
-class _Running:
-    """Every attempt running in this process (the fallback for contexts that lost the ContextVar)."""
+class Thread(threading.Thread):
+    """A ``threading.Thread`` that runs in a copy of the context that called ``start()``: started inside an attempt,
+    its ``emit_reward`` calls go to that attempt."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by_id: dict[str, AttemptContext] = {}
+    _context: contextvars.Context | None = None
 
-    def add(self, ctx: AttemptContext) -> None:
-        with self._lock:
-            self._by_id[ctx.attempt_id] = ctx
+    def start(self) -> None:
+        self._context = contextvars.copy_context()
+        super().start()
 
-    def remove(self, ctx: AttemptContext) -> None:
-        with self._lock:
-            self._by_id.pop(ctx.attempt_id, None)
-
-    def snapshot(self) -> list[AttemptContext]:
-        with self._lock:
-            return list(self._by_id.values())
+    def run(self) -> None:
+        if self._context is None:  # pragma: no cover - start() always sets it
+            super().run()
+        else:
+            self._context.run(super().run)
 
 
-_RUNNING = _Running()
-_hook_lock = threading.Lock()
-_hook_installed = False
+class ContextExecutor(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` whose ``submit`` runs each call in a copy of the submitter's context (also ``map``,
+    which submits): work submitted inside an attempt reports to that attempt, even on a pool shared by many."""
 
-
-def _install_thread_hook() -> None:
-    """Make threads started inside an attempt run with that attempt current (see the module docstring)."""
-    global _hook_installed
-    with _hook_lock:
-        if _hook_installed:
-            return
-        original_start: Callable[[threading.Thread], None] = threading.Thread.start
-
-        def start(self: threading.Thread) -> None:
-            attempt = _current.get()
-            if attempt is not None:
-                inner = self.run
-
-                def run() -> None:
-                    _current.set(attempt)
-                    inner()
-
-                self.run = run  # type: ignore[method-assign]
-            original_start(self)
-
-        threading.Thread.start = start  # type: ignore[method-assign]
-        _hook_installed = True
-
-
-@contextmanager
-def running_attempt(ctx: AttemptContext) -> Iterator[None]:
-    """Register ``ctx`` as running in this process for the duration (the worker wraps each attempt in this)."""
-    _install_thread_hook()
-    _RUNNING.add(ctx)
-    try:
-        yield
-    finally:
-        _RUNNING.remove(ctx)
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)  # type: ignore[arg-type]
 
 
 def context_for(ctx: AttemptContext) -> contextvars.Context:
@@ -148,27 +116,19 @@ def context_for(ctx: AttemptContext) -> contextvars.Context:
 
 
 def current_attempt() -> AttemptContext | None:
-    """The attempt the calling code runs under, or None outside training (see the module docstring)."""
-    ctx = _current.get()
-    if ctx is not None:
-        return ctx
-    running = _RUNNING.snapshot()
-    if len(running) == 1:
-        return running[0]
-    if running:
-        raise LightningSDKError(
-            f"{len(running)} attempts are running in this process and none is current here, so this reward cannot "
-            "be attributed: start threads inside the agent (they inherit its attempt) or submit work with "
-            "contextvars.copy_context().run(...)"
-        )
-    return None
+    """The attempt the calling code runs under, or None (outside training, or a thread that did not inherit the
+    context: see the module docstring)."""
+    return _current.get()
 
 
-def emit_reward(value: float, name: str | None = None, call_id: str | None = None) -> None:
-    """Give the current attempt a reward: final (``call_id=None``) or for one call (its ``call_id``).
+def emit_reward(
+    value: float, name: str | None = None, call_id: str | None = None, *, attempt: AttemptContext | None = None
+) -> None:
+    """Give the current attempt (or ``attempt``) a reward: final (``call_id=None``) or for one call (its ``call_id``).
 
-    Works from the agent function, threads it starts and asyncio tasks it creates. Outside training (the agent run
-    as plain code) nothing is recorded. The value must be a finite number. A call's id is the
+    Works from the agent function, asyncio tasks it creates, ``Thread`` / ``ContextExecutor`` work it starts, and
+    anywhere with ``attempt=current_attempt()`` taken in the agent. Outside training (the agent run as plain code)
+    nothing is recorded. The value must be a finite number. A call's id is the
     ``X-Lightning-Call-Id`` header of its response (openai: ``client.chat.completions.with_raw_response.create(...)
     .headers["x-lightning-call-id"]``); an id that is not a call of this attempt is refused by the proxy (400).
     """
@@ -178,8 +138,17 @@ def emit_reward(value: float, name: str | None = None, call_id: str | None = Non
         raise LightningSDKError(f"emit_reward needs a number, got {value!r}") from exc
     if not math.isfinite(v):
         raise LightningSDKError(f"emit_reward needs a finite number, got {v}")
-    ctx = current_attempt()
+    ctx = attempt if attempt is not None else current_attempt()
     if ctx is None:
-        logger.debug("emit_reward(%s) outside training: nothing recorded", v)
+        if threading.current_thread() is threading.main_thread():
+            logger.debug("emit_reward(%s) outside training: nothing recorded", v)
+        else:
+            logger.warning(
+                "emit_reward(%s) from thread %r, which has no attempt in its context: nothing recorded. Start it "
+                "with lightning_sdk.agent.Thread / ContextExecutor, or pass attempt=current_attempt() taken in "
+                "the agent",
+                v,
+                threading.current_thread().name,
+            )
         return
     ctx.add_reward(EmittedReward(value=v, name=name or "reward", call_id=call_id))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from lightning_sdk.agent._base import Agent, AttemptOutcome, format_exception
-from lightning_sdk.agent._context import AttemptContext, EmittedReward, running_attempt
+from lightning_sdk.agent._context import AttemptContext, EmittedReward
 from lightning_sdk.agent._llm import LLM
 from lightning_sdk.agent._server_client import ServerClient
 from lightning_sdk.errors import (
@@ -249,8 +249,7 @@ class WorkerPool:
         timeout = self.agent.timeout if self.agent.timeout is not None else self.default_timeout
         started = time.monotonic()
         try:
-            with running_attempt(ctx):
-                outcome = await self.agent.run_attempt(ctx, timeout=timeout)
+            outcome = await self.agent.run_attempt(ctx, timeout=timeout)
         except asyncio.CancelledError:
             ctx.close()
             result = await asyncio.shield(self._abandon(claim, started))

@@ -5,6 +5,7 @@ served by ``store_routes`` at ``/lightning/v1/store``); ``open_store(spec)`` pic
 docs/store.md.
 """
 
+from lightning_sdk.store._clock import Clock, ManualClock
 from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
 from lightning_sdk.store._reaper import reap_leases
 from lightning_sdk.store._sync import run_sync
@@ -18,8 +19,10 @@ from lightning_sdk.types import FinishedGroup
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "Clock",
     "FinishedGroup",
     "HTTPStore",
+    "ManualClock",
     "MemoryStore",
     "SQLiteStore",
     "Store",

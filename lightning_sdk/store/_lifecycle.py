@@ -14,7 +14,7 @@ import base64
 import secrets
 from collections.abc import Iterable
 
-from lightning_sdk.errors import ConfigError, InvalidTransitionError
+from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
 from lightning_sdk.types import (
     TERMINAL_ROLLOUT,
     Attempt,
@@ -29,14 +29,20 @@ from lightning_sdk.types import (
 )
 
 __all__ = [
+    "LEASE_EXPIRED",
     "ROLLOUT_STATUSES",
     "cancel",
     "check_consumable",
+    "check_lease_s",
+    "check_limit",
+    "check_owner",
     "decode_cursor",
     "encode_cursor",
     "end_attempt",
     "extend_lease",
     "group_finished",
+    "join_group",
+    "lease_expired",
     "new_group",
     "new_rollouts",
     "new_token",
@@ -46,6 +52,7 @@ __all__ = [
 ]
 
 ROLLOUT_STATUSES: tuple[str, ...] = tuple(s.value for s in RolloutStatus)
+LEASE_EXPIRED = "lease expired"  # the error of an attempt whose lease ran out
 
 
 def new_token() -> str:
@@ -71,6 +78,41 @@ def validate_enqueue(tasks: list[Task], n: int, max_attempts: int, split: str, g
             raise ConfigError("enqueue: group_ids must be distinct")
         if any(not g for g in group_ids):
             raise ConfigError("enqueue: group_ids must be non-empty strings")
+
+
+def check_lease_s(lease_s: float, op: str) -> None:
+    if lease_s <= 0:
+        raise ConfigError(f"{op}: lease_s must be > 0, got {lease_s}")
+
+
+def check_limit(limit: int, op: str) -> None:
+    if limit < 1:
+        raise ConfigError(f"{op}: limit must be >= 1, got {limit}")
+
+
+def check_owner(what: str, attempt_id: str, rollout_id: str, owner: str | None) -> None:
+    """A call or reward names attempt ``attempt_id`` of rollout ``rollout_id``; ``owner`` is the rollout that attempt
+    really belongs to (None: no such attempt)."""
+    if owner is None:
+        raise NotFoundError(f"{what}: no attempt {attempt_id!r}")
+    if owner != rollout_id:
+        raise ConfigError(f"{what}: attempt {attempt_id} belongs to rollout {owner}, not {rollout_id}")
+
+
+def join_group(group: Group) -> Group:
+    """``group`` with one more rollout (a session opened into it); a consumed group takes no more."""
+    if group.consumed_step is not None:
+        raise InvalidTransitionError(f"group {group.group_id}: already consumed, cannot add a session to it")
+    return group.model_copy(update={"n": group.n + 1})
+
+
+def lease_expired(attempt: Attempt, ts: float) -> bool:
+    """A running attempt whose lease ran out by ``ts`` (a session without a lease never expires)."""
+    return (
+        attempt.status is AttemptStatus.RUNNING
+        and attempt.lease_expires_at is not None
+        and (attempt.lease_expires_at <= ts)
+    )
 
 
 def new_group(task: Task, n: int, split: str, group_id: str | None, ts: float) -> Group:
@@ -154,8 +196,7 @@ def extend_lease(attempt: Attempt, lease_s: float, ts: float) -> Attempt:
         raise InvalidTransitionError(
             f"attempt {attempt.attempt_id}: cannot heartbeat, it is {attempt.status.value!r}, not 'running'"
         )
-    if lease_s <= 0:
-        raise ConfigError(f"heartbeat: lease_s must be > 0, got {lease_s}")
+    check_lease_s(lease_s, "heartbeat")
     if attempt.lease_expires_at is None:
         return attempt
     return attempt.model_copy(update={"lease_expires_at": ts + lease_s})
@@ -177,8 +218,11 @@ def group_finished(statuses: Iterable[RolloutStatus]) -> bool:
     return seen
 
 
-def check_consumable(group: Group, statuses: Iterable[RolloutStatus], step: int) -> bool:
-    """True if ``step`` newly consumes ``group``; False if ``step`` already did; raises otherwise."""
+def check_consumable(group_id: str, group: Group | None, statuses: Iterable[RolloutStatus], step: int) -> bool:
+    """True if ``step`` newly consumes ``group``; False if ``step`` already did; raises otherwise (``NotFoundError``
+    when there is no such group)."""
+    if group is None:
+        raise NotFoundError(f"no group {group_id!r}")
     if group.consumed_step == step:
         return False
     if group.consumed_step is not None:

@@ -10,7 +10,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
+from lightning_sdk.errors import NotFoundError
 from lightning_sdk.store import _lifecycle as lc
 from lightning_sdk.store._sqlite_rows import (
     ATTEMPT_COLS,
@@ -173,10 +173,9 @@ def open_session(conn: Conn, task: Task | None, group_id: str | None, ts: float)
     if group is None:
         group = lc.new_group(task or {}, 1, "train", group_id, ts)
         _insert_group(conn, group)
-    elif group.consumed_step is not None:
-        raise InvalidTransitionError(f"group {group.group_id}: already consumed, cannot add a session to it")
     else:
-        conn.execute("UPDATE groups SET n = n + 1 WHERE group_id = ?", (group.group_id,))
+        group = lc.join_group(group)
+        conn.execute("UPDATE groups SET n = ? WHERE group_id = ?", (group.n, group.group_id))
     rollout, attempt = lc.open_session_objects(group, ts)
     if task is not None:
         rollout = rollout.model_copy(update={"task": task})
@@ -186,8 +185,7 @@ def open_session(conn: Conn, task: Task | None, group_id: str | None, ts: float)
 
 
 def claim(conn: Conn, worker_id: str, lease_s: float, split: str | None, ts: float) -> Claim | None:
-    if lease_s <= 0:
-        raise ConfigError(f"claim: lease_s must be > 0, got {lease_s}")
+    lc.check_lease_s(lease_s, "claim")
     where = "r.status = 'queued'" + (" AND r.split = ?" if split is not None else "")
     row = conn.execute(
         f"SELECT {ROLLOUT_COLS} FROM rollouts r JOIN groups g ON g.group_id = r.group_id WHERE {where} "
@@ -228,7 +226,7 @@ def expire(conn: Conn, ts: float) -> list[Attempt]:
         (ts,),
     )
     expired = [attempt_from_row(r) for r in cur.fetchall()]
-    return [_end(conn, a, AttemptStatus.TIMED_OUT, "lease expired", ts) for a in expired]
+    return [_end(conn, a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts) for a in expired if lc.lease_expired(a, ts)]
 
 
 def cancel(conn: Conn, rollout_id: str, ts: float) -> Rollout:
@@ -246,10 +244,7 @@ def _check_owners(conn: Conn, pairs: set[tuple[str, str]], what: str) -> None:
         cur = conn.execute(f"SELECT attempt_id, rollout_id FROM attempts WHERE attempt_id IN ({_marks(chunk)})", chunk)
         owners.update(cur.fetchall())
     for attempt_id, rollout_id in sorted(pairs):
-        if attempt_id not in owners:
-            raise NotFoundError(f"{what}: no attempt {attempt_id!r}")
-        if owners[attempt_id] != rollout_id:
-            raise ConfigError(f"{what}: attempt {attempt_id} belongs to rollout {owners[attempt_id]}, not {rollout_id}")
+        lc.check_owner(what, attempt_id, rollout_id, owners.get(attempt_id))
 
 
 def record_calls(conn: Conn, calls: list[Call]) -> None:
@@ -329,8 +324,7 @@ def get_rollout(conn: Conn, rollout_id: str) -> RolloutDetail:
 def list_rollouts(
     conn: Conn, status: RolloutStatus | None, limit: int, after: str | None
 ) -> tuple[list[Rollout], str | None]:
-    if limit < 1:
-        raise ConfigError(f"list_rollouts: limit must be >= 1, got {limit}")
+    lc.check_limit(limit, "list_rollouts")
     start = lc.decode_cursor(after)
     where = "r.seq > ?"
     args: list[Any] = [start]
@@ -387,11 +381,8 @@ def finished_groups(conn: Conn, limit: int, split: str) -> list[FinishedGroup]:
 def consume_groups(conn: Conn, step: int, group_ids: list[str]) -> list[str]:
     fresh: list[str] = []
     for gid in group_ids:
-        group = _group(conn, gid)
-        if group is None:
-            raise NotFoundError(f"no group {gid!r}")
         statuses = [RolloutStatus(s) for (s,) in conn.execute("SELECT status FROM rollouts WHERE group_id = ?", (gid,))]
-        if lc.check_consumable(group, statuses, step) and gid not in fresh:
+        if lc.check_consumable(gid, _group(conn, gid), statuses, step) and gid not in fresh:
             fresh.append(gid)
     conn.executemany("UPDATE groups SET consumed_step = ? WHERE group_id = ?", [(step, gid) for gid in fresh])
     return fresh

@@ -12,8 +12,9 @@ from typing import Any
 
 import orjson
 
-from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
+from lightning_sdk.errors import ConfigError, NotFoundError
 from lightning_sdk.store import _lifecycle as lc
+from lightning_sdk.store._clock import Clock, system_clock
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
@@ -29,7 +30,6 @@ from lightning_sdk.types import (
     RolloutDetail,
     RolloutStatus,
     Task,
-    now,
 )
 
 __all__ = ["MemoryStore"]
@@ -38,7 +38,8 @@ __all__ = ["MemoryStore"]
 class MemoryStore:
     """The ``Store`` protocol in memory (see ``lightning_sdk.store.base``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Clock = system_clock) -> None:
+        self.clock = clock  # what "now" is for leases (tests drive a ManualClock)
         self._lock = threading.Lock()
         self._groups: dict[str, Group] = {}  # insertion order = creation order
         self._group_rollouts: dict[str, list[str]] = {}
@@ -62,6 +63,10 @@ class MemoryStore:
             return self._rollouts[rollout_id]
         except KeyError:
             raise NotFoundError(f"no rollout {rollout_id!r}") from None
+
+    def _owner(self, attempt_id: str) -> str | None:
+        attempt = self._attempts.get(attempt_id)
+        return None if attempt is None else attempt.rollout_id
 
     def _attempt(self, attempt_id: str) -> Attempt:
         try:
@@ -115,7 +120,7 @@ class MemoryStore:
         group_ids: list[str] | None = None,
     ) -> list[Group]:
         lc.validate_enqueue(tasks, n, max_attempts, split, group_ids)
-        ts = now()
+        ts = self.clock()
         out: list[Group] = []
         with self._lock:
             for i, task in enumerate(tasks):
@@ -131,15 +136,13 @@ class MemoryStore:
         return out
 
     async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        ts = now()
+        ts = self.clock()
         with self._lock:
             group = self._groups.get(group_id) if group_id is not None else None
             if group is None:
                 group = lc.new_group(_copy_json(task or {}), 1, "train", group_id, ts)
-            elif group.consumed_step is not None:
-                raise InvalidTransitionError(f"group {group.group_id}: already consumed, cannot add a session to it")
             else:
-                group = group.model_copy(update={"n": group.n + 1})
+                group = lc.join_group(group)
             rollout, attempt = lc.open_session_objects(group, ts)
             if task is not None:
                 rollout = rollout.model_copy(update={"task": _copy_json(task)})
@@ -149,9 +152,8 @@ class MemoryStore:
             return Claim(rollout=rollout, attempt=attempt).model_copy(deep=True)
 
     async def claim(self, worker_id: str, *, lease_s: float = 60.0, split: str | None = None) -> Claim | None:
-        if lease_s <= 0:
-            raise ConfigError(f"claim: lease_s must be > 0, got {lease_s}")
-        ts = now()
+        lc.check_lease_s(lease_s, "claim")
+        ts = self.clock()
         with self._lock:
             for rollout in self._rollouts.values():
                 if rollout.status is RolloutStatus.QUEUED and (split is None or rollout.split == split):
@@ -164,27 +166,23 @@ class MemoryStore:
 
     async def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
         with self._lock:
-            attempt = lc.extend_lease(self._attempt(attempt_id), lease_s, now())
+            attempt = lc.extend_lease(self._attempt(attempt_id), lease_s, self.clock())
             self._attempts[attempt_id] = attempt
             return attempt.model_copy()
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
         with self._lock:
-            return self._end(attempt_id, AttemptStatus(status), error, now()).model_copy()
+            return self._end(attempt_id, AttemptStatus(status), error, self.clock()).model_copy()
 
     async def expire_leases(self) -> list[Attempt]:
-        ts = now()
+        ts = self.clock()
         with self._lock:
-            expired = [
-                a.attempt_id
-                for a in self._attempts.values()
-                if a.status is AttemptStatus.RUNNING and a.lease_expires_at is not None and a.lease_expires_at <= ts
-            ]
-            return [self._end(a, AttemptStatus.TIMED_OUT, "lease expired", ts).model_copy() for a in expired]
+            expired = [a.attempt_id for a in self._attempts.values() if lc.lease_expired(a, ts)]
+            return [self._end(a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts).model_copy() for a in expired]
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
-            rollout = lc.cancel(self._rollout(rollout_id), now())
+            rollout = lc.cancel(self._rollout(rollout_id), self.clock())
             self._rollouts[rollout_id] = rollout
             return rollout.model_copy(deep=True)
 
@@ -201,12 +199,7 @@ class MemoryStore:
     async def record_calls(self, calls: list[Call]) -> None:
         with self._lock:
             for call in calls:  # validate the whole batch before changing anything
-                attempt = self._attempt(call.attempt_id)
-                if attempt.rollout_id != call.rollout_id:
-                    raise ConfigError(
-                        f"call {call.call_id}: attempt {call.attempt_id} belongs to rollout {attempt.rollout_id}, "
-                        f"not {call.rollout_id}"
-                    )
+                lc.check_owner("record_calls", call.attempt_id, call.rollout_id, self._owner(call.attempt_id))
             for call in calls:
                 if call.call_id not in self._calls:
                     self._calls[call.call_id] = _copy_call(call)
@@ -215,12 +208,7 @@ class MemoryStore:
     async def record_rewards(self, rewards: list[Reward]) -> None:
         with self._lock:
             for reward in rewards:
-                attempt = self._attempt(reward.attempt_id)
-                if attempt.rollout_id != reward.rollout_id:
-                    raise ConfigError(
-                        f"reward: attempt {reward.attempt_id} belongs to rollout {attempt.rollout_id}, "
-                        f"not {reward.rollout_id}"
-                    )
+                lc.check_owner("record_rewards", reward.attempt_id, reward.rollout_id, self._owner(reward.attempt_id))
             for reward in rewards:
                 key = (reward.name, reward.call_id or "")
                 self._rewards.setdefault(reward.attempt_id, {})[key] = reward.model_copy()
@@ -233,8 +221,7 @@ class MemoryStore:
     async def list_rollouts(
         self, *, status: RolloutStatus | None = None, limit: int = 100, after: str | None = None
     ) -> tuple[list[Rollout], str | None]:
-        if limit < 1:
-            raise ConfigError(f"list_rollouts: limit must be >= 1, got {limit}")
+        lc.check_limit(limit, "list_rollouts")
         start = lc.decode_cursor(after)
         want = RolloutStatus(status) if status is not None else None
         page: list[Rollout] = []
@@ -290,11 +277,8 @@ class MemoryStore:
         with self._lock:
             fresh: list[str] = []
             for gid in group_ids:
-                group = self._groups.get(gid)
-                if group is None:
-                    raise NotFoundError(f"no group {gid!r}")
                 statuses = [self._rollouts[r].status for r in self._group_rollouts.get(gid, [])]
-                if lc.check_consumable(group, statuses, step) and gid not in fresh:
+                if lc.check_consumable(gid, self._groups.get(gid), statuses, step) and gid not in fresh:
                     fresh.append(gid)
             for gid in fresh:
                 self._groups[gid] = self._groups[gid].model_copy(update={"consumed_step": step})

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from lightning_sdk.errors import LightningSDKError, StoreError, StoreUnavailableError
+from lightning_sdk.store import _lifecycle as lc
 from lightning_sdk.store import _sqlite_ops as ops
 from lightning_sdk.store import _sqlite_rows as rows
+from lightning_sdk.store._clock import Clock, system_clock
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
@@ -48,7 +50,6 @@ from lightning_sdk.types import (
     RolloutDetail,
     RolloutStatus,
     Task,
-    now,
 )
 
 __all__ = ["SQLiteStore"]
@@ -66,10 +67,12 @@ class SQLiteStore:
         *,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout_s: float = 10.0,
+        clock: Clock = system_clock,
     ) -> None:
         if synchronous not in ("NORMAL", "FULL"):
             raise StoreError(f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}")
         self.path = Path(path)
+        self.clock = clock  # what "now" is for leases (tests drive a ManualClock)
         self._closed = False
         self._running: dict[str, Attempt] = {}  # token -> running attempt (see module docstring)
         self._cache_lock = threading.Lock()
@@ -159,25 +162,25 @@ class SQLiteStore:
         split: str = "train",
         group_ids: list[str] | None = None,
     ) -> list[Group]:
-        return await self._write(ops.enqueue, tasks, n, max_attempts, split, group_ids, now())
+        return await self._write(ops.enqueue, tasks, n, max_attempts, split, group_ids, self.clock())
 
     async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        return await self._write_attempts(ops.open_session, task, group_id, now())
+        return await self._write_attempts(ops.open_session, task, group_id, self.clock())
 
     async def claim(self, worker_id: str, *, lease_s: float = 60.0, split: str | None = None) -> Claim | None:
-        return await self._write_attempts(ops.claim, worker_id, lease_s, split, now())
+        return await self._write_attempts(ops.claim, worker_id, lease_s, split, self.clock())
 
     async def heartbeat(self, attempt_id: str, *, lease_s: float = 60.0) -> Attempt:
-        return await self._write_attempts(ops.heartbeat, attempt_id, lease_s, now())
+        return await self._write_attempts(ops.heartbeat, attempt_id, lease_s, self.clock())
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
-        return await self._write_attempts(ops.finish, attempt_id, AttemptStatus(status), error, now())
+        return await self._write_attempts(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
 
     async def expire_leases(self) -> list[Attempt]:
-        return await self._write_attempts(ops.expire, now())
+        return await self._write_attempts(ops.expire, self.clock())
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
-        return await self._write(ops.cancel, rollout_id, now())
+        return await self._write(ops.cancel, rollout_id, self.clock())
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
         return await self._read(ops.get_attempt, attempt_id)
@@ -185,7 +188,7 @@ class SQLiteStore:
     # -- calls and rewards ---------------------------------------------------------------------------------------
     async def attempt_by_token(self, token: str) -> Attempt | None:
         cached = self._running.get(token)
-        if cached is not None and (cached.lease_expires_at is None or cached.lease_expires_at > now()):
+        if cached is not None and not lc.lease_expired(cached, self.clock()):  # else: read what the store says
             return cached.model_copy()
         return await self._read(ops.attempt_by_token, token)
 

@@ -1,7 +1,8 @@
 """Fixtures for the store tests: the same behavioural tests run over every store implementation.
 
 ``store`` is parametrised over ``memory``, ``sqlite`` (a real file in tmp_path) and ``http`` (a real uvicorn server
-on a free loopback port serving ``store_routes`` over a SQLiteStore file, used through ``HTTPStore``).
+on a free loopback port serving ``store_routes`` over a SQLiteStore file, used through ``HTTPStore``). Every store
+reads the time from ``clock`` (a ``ManualClock``), so lease tests move time instead of sleeping.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from lightning_sdk.store import MemoryStore, Store
+from lightning_sdk.store import ManualClock, MemoryStore, Store
 
 ADMIN_KEY = "test-admin-key"
 
@@ -59,24 +60,29 @@ class ServerThread:
         self.sock.close()
 
 
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
 @pytest.fixture(params=["memory", "sqlite", "http"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+async def store(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock) -> AsyncIterator[Store]:
     kind: str = request.param
     if kind == "memory":
-        s: Store = MemoryStore()
+        s: Store = MemoryStore(clock=clock)
         yield s
         await s.close()
     elif kind == "sqlite":
         from lightning_sdk.store.sqlite import SQLiteStore
 
-        s = SQLiteStore(tmp_path / "store.db")
+        s = SQLiteStore(tmp_path / "store.db", clock=clock)
         yield s
         await s.close()
     else:
         from lightning_sdk.store.http_client import HTTPStore
         from lightning_sdk.store.sqlite import SQLiteStore
 
-        backing = SQLiteStore(tmp_path / "store.db")
+        backing = SQLiteStore(tmp_path / "store.db", clock=clock)
         server = ServerThread(backing).start()
         s = HTTPStore(server.url, ADMIN_KEY, timeout=10.0, retries=2)
         try:

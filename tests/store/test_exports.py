@@ -9,8 +9,10 @@ from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, Store
 def test_exported_members() -> None:
     assert sorted(store_pkg.__all__) == [
         "ADMIN_KEY_ENV",
+        "Clock",
         "FinishedGroup",
         "HTTPStore",
+        "ManualClock",
         "MemoryStore",
         "SQLiteStore",
         "Store",

@@ -8,12 +8,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from lightning_sdk.errors import StoreError, StoreUnavailableError
-from lightning_sdk.store import SQLiteStore
+from lightning_sdk.store import ManualClock, SQLiteStore
 from lightning_sdk.types import AttemptStatus, RolloutStatus
 
 from .crash_writer import ids_for
@@ -60,7 +61,8 @@ async def test_committed_data_survives_sigkill(tmp_path: Path, kill_after: int) 
     assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     raw.close()
 
-    store = SQLiteStore(db)
+    clock = ManualClock(time.time())
+    store = SQLiteStore(db, clock=clock)
     try:
         for aid in finished:
             assert (await store.get_attempt(aid)).status is AttemptStatus.SUCCEEDED
@@ -89,8 +91,9 @@ async def test_committed_data_survives_sigkill(tmp_path: Path, kill_after: int) 
                     assert (c.prompt_ids, c.completion_ids, c.logprobs) == ids_for(c.call_id)
         assert set(calls) <= set(seen)
 
-        # the cut-off attempt's lease expires and its rollout is retried, never read as succeeded
-        await asyncio.sleep(0.6)
+        # the cut-off attempt's lease (0.5 s, from the writer's wall clock) expires and its rollout is retried,
+        # never read as succeeded
+        clock.advance(60)
         expired = await store.expire_leases()
         assert len(expired) == counts["running"]
         for a in expired:
@@ -184,17 +187,19 @@ async def test_reads_do_not_wait_for_the_writer(tmp_path: Path) -> None:
     try:
         await store.enqueue([{"q": i} for i in range(3)])
         release = asyncio.Event()
+        started = asyncio.Event()
         loop = asyncio.get_running_loop()
 
         def slow_write(conn: sqlite3.Connection) -> int:
             conn.execute("UPDATE rollouts SET updated_at = updated_at")
+            loop.call_soon_threadsafe(started.set)
             asyncio.run_coroutine_threadsafe(release.wait(), loop).result(timeout=10)
             return 1
 
         writing = asyncio.create_task(store._write(slow_write))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(started.wait(), timeout=10)  # the write transaction is open now
         counts = await asyncio.wait_for(store.counts(), timeout=5)  # answered while the write is open
-        assert counts["queued"] == 3
+        assert counts["queued"] == 3 and not writing.done()
         release.set()
         assert await writing == 1
     finally:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
-from lightning_sdk.store import Store
+from lightning_sdk.store import ManualClock, Store
 from lightning_sdk.types import (
     AttemptStatus,
     Call,
@@ -169,12 +169,13 @@ async def test_bad_arguments_raise_config_error(store: Store) -> None:
 # -- leases and retries ----------------------------------------------------------------------------------------------
 
 
-async def test_lease_expiry_retries_until_max_attempts(store: Store) -> None:
+async def test_lease_expiry_retries_until_max_attempts(store: Store, clock: ManualClock) -> None:
     (group,) = await store.enqueue([{"q": "retry"}], max_attempts=2)
-    first = await store.claim("w1", lease_s=0.2)
+    first = await store.claim("w1", lease_s=20)
     assert first is not None
+    clock.advance(19.9)
     assert await store.expire_leases() == []  # not yet expired
-    await asyncio.sleep(0.3)
+    clock.advance(0.1)  # the lease ends at claim + lease_s exactly
     (expired,) = await store.expire_leases()
     assert expired.attempt_id == first.attempt.attempt_id and expired.status is AttemptStatus.TIMED_OUT
     assert (await store.get_rollout(first.rollout.rollout_id)).rollout.status is RolloutStatus.QUEUED
@@ -183,10 +184,10 @@ async def test_lease_expiry_retries_until_max_attempts(store: Store) -> None:
     stale = await store.attempt_by_token(first.attempt.token)
     assert stale is not None and stale.status is AttemptStatus.TIMED_OUT
 
-    second = await store.claim("w2", lease_s=0.2)
+    second = await store.claim("w2", lease_s=20)
     assert second is not None and second.rollout.rollout_id == first.rollout.rollout_id
     assert second.attempt.index == 1 and second.rollout.attempts_used == 2
-    await asyncio.sleep(0.3)
+    clock.advance(20)
     assert [a.attempt_id for a in await store.expire_leases()] == [second.attempt.attempt_id]
     detail = await store.get_rollout(first.rollout.rollout_id)
     assert detail.rollout.status is RolloutStatus.FAILED and detail.rollout.attempts_used == 2
@@ -196,15 +197,18 @@ async def test_lease_expiry_retries_until_max_attempts(store: Store) -> None:
     assert ready.group.group_id == group.group_id
 
 
-async def test_heartbeat_keeps_a_lease_alive(store: Store) -> None:
+async def test_heartbeat_keeps_a_lease_alive(store: Store, clock: ManualClock) -> None:
     await store.enqueue([{"q": 1}])
-    claim = await store.claim("w", lease_s=0.3)
+    claim = await store.claim("w", lease_s=30)
     assert claim is not None
-    for _ in range(3):
-        await asyncio.sleep(0.15)
-        await store.heartbeat(claim.attempt.attempt_id, lease_s=0.3)
+    for _ in range(3):  # 60 s in all, twice the lease: only the heartbeats keep it
+        clock.advance(20)
+        beat = await store.heartbeat(claim.attempt.attempt_id, lease_s=30)
+        assert beat.lease_expires_at == clock() + 30
         assert await store.expire_leases() == []
     assert (await store.get_attempt(claim.attempt.attempt_id)).status is AttemptStatus.RUNNING
+    clock.advance(30)  # no heartbeat: the lease runs out
+    assert [a.attempt_id for a in await store.expire_leases()] == [claim.attempt.attempt_id]
 
 
 async def test_failed_attempt_requeues_then_fails(store: Store) -> None:

@@ -31,12 +31,22 @@ SYSTEM = [
 ]
 
 
-def _conversation(client: anthropic.Anthropic, *, stream_second: bool) -> tuple[Any, Any, Any, list[str]]:
-    """Three calls: a tool_use, the tool_result answered (streamed or not), then a reply cut by a stop sequence."""
+def _create(client: anthropic.Anthropic, stream: bool, events: list[str], **kwargs: Any) -> Any:
+    """``messages.create``, or ``messages.stream`` and its final message (the event types appended to ``events``)."""
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as s:
+        events += [event.type for event in s]
+        return s.get_final_message()
+
+
+def _conversation(client: anthropic.Anthropic, *, stream: bool) -> tuple[Any, Any, Any, list[str]]:
+    """Three calls: a tool_use and the tool_result answered (both streamed or not), then a reply cut by a stop
+    sequence."""
+    events: list[str] = []
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
-    first = client.messages.create(
-        model="policy", max_tokens=300, system=SYSTEM, tools=TOOLS, messages=msgs, metadata={"user_id": "u1"}
-    )
+    common: dict[str, Any] = {"model": "policy", "max_tokens": 300, "system": SYSTEM, "tools": TOOLS}
+    first = _create(client, stream, events, messages=msgs, metadata={"user_id": "u1"}, **common)
     tool_use = next(b for b in first.content if b.type == "tool_use")
     msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
     msgs.append(
@@ -52,18 +62,10 @@ def _conversation(client: anthropic.Anthropic, *, stream_second: bool) -> tuple[
             ],
         }
     )
-    events: list[str] = []
-    if stream_second:
-        with client.messages.stream(model="policy", max_tokens=300, system=SYSTEM, tools=TOOLS, messages=msgs) as s:
-            events = [event.type for event in s]
-            second = s.get_final_message()
-    else:
-        second = client.messages.create(model="policy", max_tokens=300, system=SYSTEM, tools=TOOLS, messages=msgs)
+    second = _create(client, stream, events, messages=msgs, **common)
     msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in second.content]})
     msgs.append({"role": "user", "content": "Now say it and stop."})
-    third = client.messages.create(
-        model="policy", max_tokens=300, system=SYSTEM, tools=TOOLS, messages=msgs, stop_sequences=["STOP"]
-    )
+    third = client.messages.create(messages=msgs, stop_sequences=["STOP"], **common)
     return first, second, third, events
 
 
@@ -76,12 +78,13 @@ def _check_replies(first: Any, second: Any, third: Any, events: list[str]) -> No
     assert third.content[-1].text == "Paris: 18C. "
     if events:
         assert events[0] == "message_start" and events[-1] == "message_stop"
+        assert events.count("message_start") == events.count("message_stop") == 2
         assert {"content_block_start", "content_block_delta", "content_block_stop", "message_delta"} <= set(events)
-        assert "text" in events  # the client's own text event: text_delta blocks were parsed
+        assert {"text", "input_json"} <= set(events)  # the client's own events: text and tool input were parsed
 
 
-@pytest.mark.parametrize("stream_second", [False, True])
-def test_messages_token_mode_tool_loop_is_one_segment(tmp_path: Path, stream_second: bool) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_token_mode_tool_loop_is_one_segment(tmp_path: Path, stream: bool) -> None:
     call = tool_call("get_weather", {"city": "Paris"}, "call00001")
     plans: list[Any] = [
         assistant(None, reasoning="I should look it up.", calls=[call]),
@@ -91,7 +94,7 @@ def test_messages_token_mode_tool_loop_is_one_segment(tmp_path: Path, stream_sec
     with token_proxy(tmp_path, plans) as (px, engine):
         s = px.session()
         client = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)  # x-api-key
-        first, second, third, events = _conversation(client, stream_second=stream_second)
+        first, second, third, events = _conversation(client, stream=stream)
         thinking = next(b for b in first.content if b.type == "thinking")
         assert thinking.thinking == "I should look it up." and thinking.signature
         assert first.usage.input_tokens == len(engine.received[0])
@@ -113,8 +116,8 @@ def test_messages_token_mode_tool_loop_is_one_segment(tmp_path: Path, stream_sec
     assert one_segment(calls)
 
 
-@pytest.mark.parametrize("stream_second", [False, True])
-def test_messages_passthrough_tool_loop_is_one_segment(tmp_path: Path, stream_second: bool) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_passthrough_tool_loop_is_one_segment(tmp_path: Path, stream: bool) -> None:
     script = [
         ScriptedReply(tool_calls=[("get_weather", '{"city": "Paris"}')]),
         ScriptedReply("It is 18C and sunny in Paris."),
@@ -123,7 +126,7 @@ def test_messages_passthrough_tool_loop_is_one_segment(tmp_path: Path, stream_se
     with passthrough_proxy(tmp_path, script) as (px, upstream):
         s = px.session()
         client = anthropic.Anthropic(base_url=px.url, auth_token=s["token"], max_retries=0)  # Authorization: Bearer
-        first, second, third, events = _conversation(client, stream_second=stream_second)
+        first, second, third, events = _conversation(client, stream=stream)
         _check_replies(first, second, third, events)
         assert px.finish(s["token"]).status_code == 200
         calls = recorded_calls(px, s["rollout_id"])

@@ -122,3 +122,41 @@ def test_codex_runs_a_shell_tool_through_the_passthrough_proxy(cli_bin: Path, tm
     surface = calls[0].request["surface"]
     assert surface["headers"]["session-id"] and "web_search" in surface["hidden_tools"]
     assert surface["request"]["store"] is False
+
+
+@pytest.mark.parametrize("cli", ["claude", "codex"])
+def test_cli_episode_in_token_mode_over_the_qwen3_template(cli_bin: Path, tmp_path: Path, cli: str) -> None:
+    """Token mode with the real Qwen3 template (a scripted engine samples the template's own rendering of the
+    replies): the CLI's whole request (system blocks or developer items, its dozens of tools, namespaces, hosted
+    tools) renders, the shell tool call parses out of the sampled ids, the CLI runs it, and the follow-up call
+    extends the first one token for token (one segment)."""
+    from tests.surfaces.conftest import token_proxy
+    from tests.tokens.conversations import assistant, tool_call
+
+    if cli == "claude":
+        call = tool_call("Bash", {"command": "echo claude-$((6*7))", "description": "Print a number"}, "c1")
+    else:
+        call = tool_call("exec_command", {"cmd": "echo codex-$((6*7))"}, "c1")
+    plans: list[Any] = [assistant(None, reasoning="Use the shell.", calls=[call]), assistant("FINAL: done.")]
+    with token_proxy(tmp_path, plans) as (px, engine):
+        s = px.session({"cli": cli, "mode": "token"})
+        if cli == "claude":
+            env = {"ANTHROPIC_BASE_URL": px.url, "ANTHROPIC_AUTH_TOKEN": s["token"], "DISABLE_TELEMETRY": "1"}
+            argv = [str(cli_bin / "claude"), "-p", "Print 6*7 with the shell.", "--model", "policy"]
+            argv += ["--allowedTools", "Bash"]
+        else:
+            env = {"LSDK_TOKEN": s["token"]}
+            provider = (
+                f'model_providers.P={{name="P",base_url="{px.url}/v1",wire_api="responses",env_key="LSDK_TOKEN"}}'
+            )
+            argv = [str(cli_bin / "codex"), "exec", "--skip-git-repo-check", "-c", "model_provider=P", "-c", provider]
+            argv += ["-s", "danger-full-access", "-m", "policy", "Print 6*7 with the shell."]
+        proc = _run(argv, tmp_path, env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "FINAL: done." in proc.stdout
+        _check_episode(px, s, list(zip(engine.received, engine.sampled, engine.logprobs, strict=True)), _API[cli])
+    tool_result = engine.renderer.decode(engine.received[1][len(engine.received[0]) :])
+    assert f"{cli}-42" in tool_result  # the shell really ran, and its output reached the policy's prompt
+
+
+_API = {"claude": "messages", "codex": "responses"}

@@ -38,6 +38,7 @@ class ScriptedReply:
 
     text: str = ""
     tool_calls: list[tuple[str, str]] = field(default_factory=list)
+    error: tuple[int, dict[str, Any]] | None = None  # answer this status and body instead (a vLLM refusal)
 
 
 def _content(content: Any) -> str:
@@ -86,6 +87,8 @@ class ScriptedUpstream:
             return JSONResponse({"error": {"message": "script exhausted", "type": "server_error"}}, status_code=500)
         step = self.script.pop(0)
         reply = step(body) if callable(step) else step
+        if reply.error is not None:
+            return JSONResponse(reply.error[1], status_code=reply.error[0])
         n = next(self._ids)
         prompt_ids = encode(render(body["messages"]))
         text, finish, stop_reason = reply.text, "stop", None

@@ -11,6 +11,8 @@ the tools the policy was not shown, the ids the proxy handed out and what the ag
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +27,8 @@ from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import now
 
 __all__ = ["SESSION_HEADERS", "Surface", "SurfaceStream", "Translation", "attempt_token", "handle_surface"]
+
+logger = logging.getLogger(__name__)
 
 SESSION_HEADERS = (b"x-claude-code-session-id", b"session-id", b"thread-id")
 """Request headers kept on the recorded call (``request["surface"]["headers"]``)."""
@@ -167,8 +171,7 @@ async def handle_surface(
         await send_error(send, surface, err, ctx.call_id if ctx is not None else None)
     except UpstreamHTTPError as exc:
         error = str(exc)
-        refused = ProxyHTTPError(exc.status_code, _upstream_message(exc))
-        await send_error(send, surface, refused, ctx.call_id if ctx is not None else None)
+        await send_error(send, surface, upstream_refusal(exc), ctx.call_id if ctx is not None else None)
     except LightningSDKError as exc:
         error = str(exc)
         await send_error(send, surface, from_sdk_error(exc), ctx.call_id if ctx is not None else None)
@@ -177,6 +180,11 @@ async def handle_surface(
             raise
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         error = "the agent disconnected before the reply was complete"
+    except Exception as exc:  # a bug in a translation must not lose the call: answer 500 (if still possible), record
+        logger.exception("%s surface failed", surface.api)
+        error = f"internal error: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):  # the answer may have started already (a stream)
+            await send_error(send, surface, ProxyHTTPError(500, error, kind="server_error"))
     else:
         if result is not None and not stream and t is not None and ctx is not None:
             payload = orjson.dumps(surface.answer(t, Reply.from_chat(result.response, t.stop)))
@@ -200,12 +208,22 @@ async def handle_surface(
     await proxy.recorder.add_call(call)
 
 
-def _upstream_message(exc: UpstreamHTTPError) -> str:
+def upstream_refusal(exc: UpstreamHTTPError) -> ProxyHTTPError:
+    """The engine's 4xx as this proxy's error: its message, and ``context_length_exceeded`` when the engine says
+    the prompt does not fit (vLLM: "This model's maximum context length is N tokens ..."), so each surface can
+    word it its own way (Anthropic clients act on "prompt is too long")."""
     payload = exc.payload or {}
-    inner = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-        return str(inner["message"])
-    return str(exc)
+    inner = payload.get("error", payload) if isinstance(payload, dict) else None
+    message = str(exc)
+    code: str | None = None
+    if isinstance(inner, dict):
+        if isinstance(inner.get("message"), str):
+            message = inner["message"]
+        if isinstance(inner.get("code"), str):
+            code = inner["code"]
+    if code is None and "maximum context length" in message:
+        code = "context_length_exceeded"
+    return ProxyHTTPError(exc.status_code, message, code=code)
 
 
 async def _relay(

@@ -128,6 +128,8 @@ class MessagesSurface:
         if tools:
             chat["tools"] = tools
         choice = body.get("tool_choice")
+        if choice is not None and not isinstance(choice, dict):
+            raise _bad("tool_choice", "must be an object with a type (auto, any, tool, none)")
         if isinstance(choice, dict):
             kind = choice.get("type")
             if kind == "any":
