@@ -39,7 +39,7 @@ def _script(fixes: dict[str, str], *, never_submit: bool = False, hang: bool = F
         function = issue.split("\n", 1)[0].split("::test_", 1)[1].rsplit("_", 1)[0]
         tool_turns = sum(m["role"] == "tool" for m in messages)
         if tool_turns == 0:
-            cmd = "sleep 30" if hang else f"grep -rn -A5 'def {function}' mathkit"
+            cmd = "sleep 30" if hang else f"grep -r -A5 'def {function}' mathkit"
             return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": cmd})}])
         if tool_turns == 1:
             return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": fixes[function]})}])
