@@ -1,16 +1,26 @@
-"""The embedded engine: an in-process Hugging Face causal LM that batches concurrent requests.
+"""The embedded engine: an in-process Hugging Face causal LM with continuous batching and a prefix cache.
 
-One worker thread owns the model. Requests queue up while a batch runs and join the next one (left-padded, KV-cached
-decoding, finished rows dropped from the batch as they stop), so the asyncio loop of the proxy stays free and many
-agents share one forward pass per token.
+One worker thread owns the model and runs one batch that requests join and leave token by token (continuous
+batching): a request that arrives while others decode is prefilled and merged into the running batch at the next
+step, and a finished row leaves it at once, so the asyncio loop of the proxy stays free and many agents share one
+forward pass per token. Rows sit left-padded in one KV cache; each row has its own positions and attention mask.
+
+Prefix cache: an agent's next call extends its previous prompt and completion (under the ``exact`` policy the
+proxy re-renders exactly those ids), and the rollouts of a group share their first prompt. The engine keeps the KV
+of recent prompts and of finished rows (prompt + completion) in an LRU bounded by ``prefix_cache_tokens``; a
+request whose prompt starts with a cached sequence prefills only the rest. The cache is computed by the weights
+being served and is emptied when they change, so a hit gives the log-probs of a cold prefill (up to float
+rounding). ``prefix_cache=False`` / ``continuous=False`` turn either off (the benchmark's baseline modes; static
+batching: a batch runs until its last row stops and only then do waiting requests start).
 
 Log-probs: each sampled token is recorded with its log-probability under the distribution it was sampled from with
 the temperature applied, before top-p truncation: ``log_softmax(logits / temperature)[token]`` (``temperature == 0``
 is greedy and records ``log_softmax(logits)``). The learner computes its log-probs the same way, with the same
 temperature, so the importance ratio is exactly 1 for on-policy data.
 
-Weights: ``update_weights`` takes the model lock, which a batch holds from its first to its last token, so in-flight
-batches finish on the old weights and record the old policy version; the next batch runs on the new ones.
+Weights: ``update_weights`` stops new rows from joining, waits until the running rows have finished (on the old
+weights, recording the old policy version), swaps, empties the prefix cache, and lets the waiting requests start on
+the new weights.
 """
 
 from __future__ import annotations
@@ -19,20 +29,26 @@ import asyncio
 import logging
 import random
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
-__all__ = ["EmbeddedEngine"]
+__all__ = ["EmbeddedEngine", "PrefixCache"]
 
 logger = logging.getLogger(__name__)
+
+#: per layer: (keys, values), each [heads, tokens, head_dim] (one sequence) or [batch, heads, tokens, head_dim]
+_KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -50,8 +66,11 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     sent: int = 0
     finish_reason: str | None = None
+    version: int = 0
+    reused: int = 0  # prompt tokens taken from the prefix cache
+    queued_at: int = 0  # the engine's decode step count when the request arrived
 
-    def deliver(self, version: int, final: bool) -> None:
+    def deliver(self, final: bool) -> None:
         """Send what is new (every token when streaming, else everything at the end) to the waiting coroutine."""
         if not final and not self.streaming:
             return
@@ -60,7 +79,7 @@ class _Request:
             ids=self.ids[self.sent :],
             logprobs=self.logprobs[self.sent :],
             finish_reason=reason,
-            policy_version=version,
+            policy_version=self.version,
         )
         self.sent = len(self.ids)
         self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
@@ -69,8 +88,81 @@ class _Request:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, exc)
 
 
+def _prefix_hashes(ids: list[int]) -> list[int]:
+    """``out[i]``: a hash of ``ids[: i + 1]`` (chained, one pass)."""
+    out: list[int] = []
+    h = 0
+    for t in ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+class PrefixCache:
+    """The KV of recent token sequences, looked up by longest cached prefix; an LRU bounded in tokens."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: OrderedDict[tuple[int, int], tuple[tuple[int, ...], _KV]] = OrderedDict()
+        self._lengths: dict[int, int] = {}  # sequence length -> entries of that length
+        self.hits = 0
+        self.misses = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.tokens = 0
+
+    def put(self, ids: list[int], kv: _KV) -> None:
+        """Remember the KV of ``ids`` (one sequence: [heads, len(ids), head_dim] per layer; stored as given)."""
+        n = len(ids)
+        if n == 0 or n > self.max_tokens:
+            return
+        key = (n, _prefix_hashes(ids)[-1])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = (tuple(ids), kv)
+        self._lengths[n] = self._lengths.get(n, 0) + 1
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            (length, _), _ = self._entries.popitem(last=False)
+            self.tokens -= length
+            self._lengths[length] -= 1
+            if not self._lengths[length]:
+                del self._lengths[length]
+
+    def lookup(self, ids: list[int]) -> tuple[int, _KV | None]:
+        """The longest cached sequence that ``ids`` starts with: (its length, its KV), or (0, None)."""
+        if not self._entries:
+            self.misses += 1
+            return 0, None
+        hashes = _prefix_hashes(ids)
+        for n in sorted(self._lengths, reverse=True):
+            if n > len(ids):
+                continue
+            key = (n, hashes[n - 1])
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] == tuple(ids[:n]):
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return n, entry[1]
+        self.misses += 1
+        return 0, None
+
+
 class EmbeddedEngine:
     """Token-in/token-out generation with a local HF model on CPU or one GPU (implements ``Engine``)."""
+
+    #: a waiting request joins the running batch after at most this many decode steps (see ``_admit_now``)
+    ADMIT_AFTER_STEPS = 4
+    #: prompts are also cached at prefixes of multiples of this many tokens (shared heads: system prompt, tools)
+    PREFIX_CHUNK = 16
 
     def __init__(
         self,
@@ -80,6 +172,9 @@ class EmbeddedEngine:
         max_batch_size: int = 64,
         policy_version: int = 0,
         device: str | None = None,
+        prefix_cache: bool = True,
+        prefix_cache_tokens: int = 32768,
+        continuous: bool = True,
     ) -> None:
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(self._device)  # type: ignore[arg-type]
@@ -95,10 +190,26 @@ class EmbeddedEngine:
         self._cond = threading.Condition()
         self._model_lock = threading.Lock()
         self._closed = False
+        self._draining = 0  # weight swaps waiting for the running rows to finish
+        self._running = 0  # rows in the running batch
+        self._continuous = continuous
+        full_attention = all(t == "full_attention" for t in (getattr(model.config, "layer_types", None) or []))
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(prefix_cache_tokens) if prefix_cache and full_attention else None
+        )
         # Set by the trainer: RL and evaluation fix the temperature (the learner must use the same one) and cap
         # max_tokens, whatever the agent asks for.
         self.sampling_override: dict[str, Any] | None = None
-        self.stats = {"batches": 0, "tokens": 0, "requests": 0, "max_batch": 0}
+        self.stats: dict[str, Any] = {
+            "batches": 0,  # prefills (a group of requests joining the batch)
+            "tokens": 0,
+            "requests": 0,
+            "max_batch": 0,
+            "steps": 0,  # decode forward passes
+            "prompt_tokens": 0,
+            "reused_tokens": 0,  # prompt tokens served from the prefix cache
+            "busy_s": 0.0,  # seconds the worker spent prefilling and decoding
+        }
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
 
@@ -118,6 +229,11 @@ class EmbeddedEngine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) the model takes: its ``max_position_embeddings``."""
+        return self._max_positions
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         ids: list[int] = []
@@ -156,12 +272,22 @@ class EmbeddedEngine:
 
     # -- internals ------------------------------------------------------------------------------------------------
     def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._model_lock:
+        with self._cond:
+            self._draining += 1
             try:
-                self._model.load_state_dict(state, strict=False)
-            except RuntimeError as exc:
-                raise EngineError(f"the new weights do not fit the model: {exc}") from exc
-            self._version = version
+                while self._running and not self._closed:
+                    self._cond.wait()
+                with self._model_lock:
+                    try:
+                        self._model.load_state_dict(state, strict=False)
+                    except RuntimeError as exc:
+                        raise EngineError(f"the new weights do not fit the model: {exc}") from exc
+                    self._version = version
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.clear()  # computed by the old weights
+            finally:
+                self._draining -= 1
+                self._cond.notify_all()
         logger.info("embedded engine now serves policy version %d", version)
 
     async def _submit(
@@ -183,10 +309,11 @@ class EmbeddedEngine:
             streaming=streaming,
             generator=gen,
             stop_ids=self._eos_ids | set(sampling.stop_token_ids),
+            queued_at=self.stats["steps"],
         )
         with self._cond:
             self._pending.append(req)
-            self._cond.notify()
+            self._cond.notify_all()
         while True:
             item = await req.queue.get()
             if isinstance(item, BaseException):
@@ -196,76 +323,140 @@ class EmbeddedEngine:
                 return
 
     def _run(self) -> None:
+        batch = _Batch(self._device)
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._closed and not batch.rows and (not self._pending or self._draining):
                     self._cond.wait()
                 if self._closed:
+                    for req in batch.rows:
+                        req.fail(EngineError("the engine was closed"))
                     return
-                batch = self._pending[: self._max_batch_size]
-                self._pending = self._pending[self._max_batch_size :]
+                admit: list[_Request] = []
+                if self._pending and not self._draining and (not batch.rows or self._admit_now(batch)):
+                    room = self._max_batch_size - len(batch.rows)
+                    admit, self._pending = self._pending[:room], self._pending[room:]
+                self._running = len(batch.rows) + len(admit)
+            t0 = time.perf_counter()
             try:
                 with self._model_lock, torch.inference_mode():
-                    version = self._version
-                    self._decode(batch, version)
+                    if admit:
+                        for req in admit:
+                            req.version = self._version
+                        self._prefill(batch, admit)
+                    self._step(batch)
             except Exception as exc:  # every waiting request must hear about the failure
                 logger.exception("embedded generation failed")
-                for req in batch:
+                for req in batch.rows + admit:
                     if req.finish_reason is None:
                         req.fail(EngineError(f"generation failed: {exc}"))
+                batch = _Batch(self._device)
+            self.stats["busy_s"] += time.perf_counter() - t0
+            if not batch.rows:
+                with self._cond:
+                    self._running = 0
+                    self._cond.notify_all()
 
-    def _decode(self, batch: list[_Request], version: int) -> None:
-        """Prefill the left-padded prompts, then sample token by token until every row has stopped."""
+    def _admit_now(self, batch: _Batch) -> bool:
+        """Whether waiting requests join the running batch now: a prefill is a forward pass of its own, so they
+        join once they are many (half the running rows) or the oldest has waited ``ADMIT_AFTER_STEPS`` steps."""
+        if not self._continuous or len(batch.rows) >= self._max_batch_size:
+            return False
+        waited = self.stats["steps"] - self._pending[0].queued_at
+        return len(self._pending) * 2 >= len(batch.rows) or waited >= self.ADMIT_AFTER_STEPS
+
+    def _prefill(self, batch: _Batch, admit: list[_Request]) -> None:
+        """Run the new rows' prompts (past the cached prefix of each) and merge them into the running batch.
+
+        Every row's tokens stay contiguous in the cache (its columns run from its first token to the last column):
+        the new parts all get the width of the longest one, and a row whose cached prefix leaves a shorter new part
+        reuses less of it (runs a few cached tokens again) instead of leaving a hole.
+        """
         self.stats["batches"] += 1
-        self.stats["requests"] += len(batch)
-        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch))
-        width = max(len(r.input_ids) for r in batch)
-        ids = torch.full((len(batch), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
-            mask[i, width - len(r.input_ids) :] = 1
-        ids, mask = ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.stats["requests"] += len(admit)
+        past: list[_KV | None] = []
+        hits: list[int] = []
+        for req in admit:
+            n, kv = (0, None) if self.prefix_cache is None else self.prefix_cache.lookup(req.input_ids)
+            hits.append(min(n, len(req.input_ids) - 1))  # at least one prompt token runs, for the next logits
+            past.append(kv)
+        width_new = max(len(r.input_ids) - n for r, n in zip(admit, hits, strict=True))
+        for req in admit:
+            req.reused = max(0, len(req.input_ids) - width_new)
+            self.stats["prompt_tokens"] += len(req.input_ids)
+            self.stats["reused_tokens"] += req.reused
+        width_past = max(r.reused for r in admit)
+        total = width_past + width_new
+        b, dev = len(admit), self._device
+        ids = torch.full((b, width_new), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((b, total), dtype=torch.long)
+        positions = torch.zeros((b, width_new), dtype=torch.long)
+        for i, r in enumerate(admit):
+            new = r.input_ids[r.reused :]
+            ids[i, width_new - len(new) :] = torch.tensor(new)
+            mask[i, total - len(r.input_ids) :] = 1
+            positions[i, width_new - len(new) :] = torch.arange(r.reused, len(r.input_ids))
         cache = DynamicCache()
+        if width_past:
+            cache = DynamicCache(ddp_cache_data=_stack_past(past, [r.reused for r in admit], width_past))
         out = self._model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            past_key_values=cache,
+            use_cache=True,
         )
         logits = out.logits[:, -1, :].float()
-        rows = list(range(len(batch)))  # batch index of each live row of the cache
-        next_pos = positions[:, -1] + 1
-        while rows:
-            tokens: list[int] = []
-            keep: list[int] = []
-            for j, b in enumerate(rows):
-                req = batch[b]
-                token, logprob = _sample(logits[j], req.sampling, req.generator)
-                req.ids.append(token)
-                req.logprobs.append(logprob)
-                self.stats["tokens"] += 1
-                req.finish_reason = self._finish_reason(req, len(req.input_ids))
-                req.deliver(version, final=req.finish_reason is not None)
-                if req.finish_reason is None:
-                    keep.append(j)
-                    tokens.append(token)
-            if not keep:
-                return
-            if len(keep) < len(rows):
-                idx = torch.tensor(keep, device=self._device)
-                cache.batch_select_indices(idx)
-                mask, next_pos = mask[idx], next_pos[idx]
-                rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=self._device)], dim=1)
-            step = torch.tensor(tokens, device=self._device).unsqueeze(1)
-            out = self._model(
-                input_ids=step,
-                attention_mask=mask,
-                position_ids=next_pos.unsqueeze(1),
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1, :].float()
-            next_pos = next_pos + 1
+        kv = _cache_kv(cache)
+        if self.prefix_cache is not None:
+            chunk = self.PREFIX_CHUNK
+            for i, r in enumerate(admit):
+                if hits[i]:
+                    continue
+                # a cold prompt: its group's other rollouts start with it, and other prompts with its head (system
+                # prompt, tools): keep it and its prefixes at multiples of PREFIX_CHUNK tokens
+                n_all = len(r.input_ids)
+                start = total - n_all
+                for n in [*range(chunk, n_all, chunk), n_all]:
+                    row = [(k[i, :, start : start + n].clone(), v[i, :, start : start + n].clone()) for k, v in kv]
+                    self.prefix_cache.put(r.input_ids[:n], row)
+        batch.merge(admit, kv, mask.to(dev), torch.tensor([len(r.input_ids) for r in admit], device=dev), logits)
+        self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.rows))
+
+    def _step(self, batch: _Batch) -> None:
+        """Sample one token for every row, drop the rows that stopped, and run the others one position on."""
+        assert batch.logits is not None
+        tokens, logprobs = _sample_rows(
+            batch.logits, [r.sampling for r in batch.rows], [r.generator for r in batch.rows]
+        )
+        keep: list[int] = []
+        for j, req in enumerate(batch.rows):
+            req.ids.append(tokens[j])
+            req.logprobs.append(logprobs[j])
+            self.stats["tokens"] += 1
+            req.finish_reason = self._finish_reason(req, len(req.input_ids))
+            if req.finish_reason is None:
+                keep.append(j)
+            elif self.prefix_cache is not None:  # its KV: prompt + completion but the last token (never run)
+                n = len(req.input_ids) + len(req.ids) - 1
+                kv = [(k[j, :, -n:].clone(), v[j, :, -n:].clone()) for k, v in batch.kv()]
+                self.prefix_cache.put(req.input_ids + req.ids[:-1], kv)
+            req.deliver(final=req.finish_reason is not None)
+        if len(keep) < len(batch.rows):
+            batch.select(keep)
+        if not batch.rows:
+            return
+        self.stats["steps"] += 1
+        step_ids = torch.tensor([[tokens[j]] for j in keep], device=self._device)
+        out = self._model(
+            input_ids=step_ids,
+            attention_mask=batch.extend_mask(),
+            position_ids=batch.positions.unsqueeze(1),
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.logits = out.logits[:, -1, :].float()
+        batch.positions = batch.positions + 1
 
     def _finish_reason(self, req: _Request, prompt_len: int) -> str | None:
         if req.ids[-1] in req.stop_ids:
@@ -279,30 +470,133 @@ class EmbeddedEngine:
         return None
 
 
+class _Batch:
+    """The running rows: one left-padded KV cache, an attention mask, each row's next position and logits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: list[_Request] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=device)
+        self.positions = torch.zeros((0,), dtype=torch.long, device=device)
+        self.logits: torch.Tensor | None = None
+
+    def kv(self) -> _KV:
+        return _cache_kv(self.cache) if self.cache is not None else []
+
+    def merge(
+        self, rows: list[_Request], kv: _KV, mask: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        """Add prefilled rows: both caches are left-padded to the wider one and stacked."""
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.positions, self.logits = (
+                list(rows),
+                DynamicCache(ddp_cache_data=kv),
+                mask,
+                positions,
+                logits,
+            )
+            return
+        assert self.logits is not None
+        width = max(self.mask.shape[1], mask.shape[1])
+        old = self.kv()
+        merged = [
+            (
+                torch.cat([_pad_left(k0, width), _pad_left(k1, width)]),
+                torch.cat([_pad_left(v0, width), _pad_left(v1, width)]),
+            )
+            for (k0, v0), (k1, v1) in zip(old, kv, strict=True)
+        ]
+        self.cache = DynamicCache(ddp_cache_data=merged)
+        self.mask = torch.cat(
+            [F.pad(self.mask, (width - self.mask.shape[1], 0)), F.pad(mask, (width - mask.shape[1], 0))]
+        )
+        self.positions = torch.cat([self.positions, positions])
+        self.logits = torch.cat([self.logits, logits])
+        self.rows += rows
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (indices into ``rows``); drop the columns no remaining row uses."""
+        self.rows = [self.rows[j] for j in keep]
+        if not keep:
+            self.cache, self.logits = None, None
+            self.mask = self.mask[:0]
+            self.positions = self.positions[:0]
+            return
+        assert self.cache is not None and self.logits is not None
+        idx = torch.tensor(keep, device=self.device)
+        self.mask, self.positions, self.logits = self.mask[idx], self.positions[idx], self.logits[idx]
+        used = self.mask.any(dim=0).nonzero()
+        first = int(used[0].item()) if used.numel() else self.mask.shape[1]
+        kv = [(k[idx, :, first:], v[idx, :, first:]) for k, v in self.kv()]
+        self.cache = DynamicCache(ddp_cache_data=kv)
+        self.mask = self.mask[:, first:]
+
+    def extend_mask(self) -> torch.Tensor:
+        """The mask with one more (attended) column for the token about to run."""
+        ones = torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=self.device)
+        self.mask = torch.cat([self.mask, ones], dim=1)
+        return self.mask
+
+
+def _cache_kv(cache: DynamicCache) -> _KV:
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[union-attr,misc]
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a [batch, heads, tokens, dim] tensor on the left of its token axis to ``width`` tokens."""
+    return F.pad(t, (0, 0, width - t.shape[2], 0)) if t.shape[2] < width else t
+
+
+def _stack_past(past: list[_KV | None], lengths: list[int], width: int) -> _KV:
+    """The cached prefixes of the new rows as one batch: each row's first ``lengths[i]`` tokens, left-padded."""
+    template = next(kv for kv in past if kv is not None)
+    out: _KV = []
+    for layer, (k_t, v_t) in enumerate(template):
+        heads, dim = k_t.shape[0], k_t.shape[2]
+        keys = k_t.new_zeros((len(past), heads, width, dim))
+        values = v_t.new_zeros((len(past), heads, width, v_t.shape[2]))
+        for i, (kv, n) in enumerate(zip(past, lengths, strict=True)):
+            if kv is not None and n > 0:
+                keys[i, :, width - n :] = kv[layer][0][:, :n]
+                values[i, :, width - n :] = kv[layer][1][:, :n]
+        out.append((keys, values))
+    return out
+
+
+def _sample_rows(
+    logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` ([rows, vocab]) with its log-prob (temperature applied, before top-p)."""
+    temps = [s.temperature if s.temperature > 0.0 else 1.0 for s in samplings]
+    if all(t == temps[0] for t in temps):
+        logp = torch.log_softmax(logits / temps[0] if temps[0] != 1.0 else logits, dim=-1)
+    else:
+        logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device).unsqueeze(1), dim=-1)
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    tokens: list[int] = []
+    for j, s in enumerate(samplings):
+        if s.temperature <= 0.0:
+            tokens.append(int(greedy[j]))
+            continue
+        probs = logp[j].exp()
+        if s.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = sorted_probs.cumsum(-1)
+            cut = cumulative - sorted_probs >= s.top_p  # drop tokens once the mass before them reaches top_p
+            sorted_probs = sorted_probs.masked_fill(cut, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=generators[j]).item()))
+    picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    return tokens, [float(x) for x in picked]
+
+
 def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
     """Apply the trainer's sampling override: values replace the request's, except ``max_tokens`` which caps it."""
     update = dict(override)
     if "max_tokens" in update:
         update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
     return sampling.model_copy(update=update)
-
-
-def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token from ``logits`` ([vocab]); returns it with its log-prob (temperature applied, pre top-p)."""
-    if sampling.temperature <= 0.0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(torch.argmax(logits).item())
-        return token, float(logp[token].item())
-    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
-    probs = logp.exp()
-    if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = sorted_probs.cumsum(-1)
-        cut = cumulative - sorted_probs >= sampling.top_p  # drop tokens once the mass before them reaches top_p
-        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    token = int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
-    return token, float(logp[token].item())
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

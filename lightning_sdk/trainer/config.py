@@ -97,6 +97,14 @@ class RLConfig(_Section):
     workers: int = 64
     max_wall_s: float | None = 420.0  # stop RL once the whole run has taken this long (evaluations excluded after)
     seed: int = 0
+    # Stop RL once the held-out success gained this much over the evaluation before RL (None: run to the budget).
+    # RL pauses for a held-out check when the sampled success on fresh train tasks reaches before + gain +
+    # target_margin (see trainer/stopping.py, GainTarget); a check that falls short lets RL go on.
+    target_gain: float | None = None
+    target_margin: float = 0.0
+    # Share of new groups that replay a task whose last group had reward variance (see trainer/sampling.py).
+    replay_share: float = 0.0
+    max_replays: int = 2
 
 
 class EvalConfig(_Section):

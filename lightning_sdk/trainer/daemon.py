@@ -15,7 +15,8 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
 
 1. take ``tasks_per_step`` finished train groups, oldest first; a group sampled more than ``max_staleness`` policy
    versions ago (its oldest call) is dropped (consumed without training, counted);
-2. build records (merge, advantages: GRPO by default) and a padded batch; one learner update in a thread;
+2. build records (merge, advantages: GRPO by default); ``learner.step(records)`` in a thread (each backend builds
+   its own batch from the records);
 3. write the checkpoint (weights, optimizer, step, the step's groups), then ``consume_groups(step, ...)``, then
    publish the version and hand the weights to the engine (swapped in as soon as its running batch ends; the
    learner does not wait for that). See ``checkpoint.py`` for why this order makes a
@@ -41,19 +42,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import uvicorn
 
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
-from lightning_sdk.records.batch import build_batch
 from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from lightning_sdk.trainer.learner import TrainBatch
 from lightning_sdk.types import FinishedGroup, PolicyVersion, Resource
 
 if TYPE_CHECKING:
     from lightning_sdk.trainer.factory import LearnerLike, ServingEngine
+    from lightning_sdk.trainer.sampling import TaskSampler
 
 __all__ = ["StepReport", "TrainerDaemon", "bind_socket", "free_port", "group_version"]
 
@@ -102,6 +101,21 @@ def group_version(group: FinishedGroup) -> int | None:
     return min(versions) if versions else None
 
 
+def _engine_busy(engine: Any) -> float:
+    """Seconds the engine spent generating so far (0 for engines that do not count it)."""
+    return float(getattr(engine, "stats", {}).get("busy_s", 0.0))
+
+
+def _rewards_of(group: FinishedGroup) -> list[float]:
+    """The final reward of each rollout's succeeded attempt (rollouts without one are left out)."""
+    out: list[float] = []
+    for d in group.rollouts:
+        attempt = d.succeeded_attempt()
+        if attempt is not None and attempt.rewards:
+            out.append(float(attempt.rewards[-1].value))
+    return out
+
+
 @dataclass
 class StepReport:
     """What one training step did (a row of metrics.jsonl)."""
@@ -121,10 +135,18 @@ class StepReport:
     tokens_per_s: float
     learner_s: float
     wait_s: float
+    records_s: float = 0.0  # build records and the padded batch
+    save_s: float = 0.0  # checkpoint + consume the groups in the store
+    publish_s: float = 0.0  # take the weights and hand them to the engine (the swap itself runs on)
+    engine_busy_s: float = 0.0  # engine thread time spent generating during the step
+    loop_cpu_s: float = 0.0  # CPU of the event-loop thread during the step: proxy, store, in-process agents
+    fresh_groups: int = 0  # groups on tasks never trained on before (the rest are replays, see sampling.py)
+    fresh_success_rate: float | None = None  # sampled success of the fresh groups' rollouts
     metrics: dict[str, float] = field(default_factory=dict)
+    fresh_outcomes: list[float] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "metrics"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("metrics", "fresh_outcomes")}
         out.update(self.metrics)
         return out
 
@@ -151,6 +173,7 @@ class TrainerDaemon:
         port: int = 0,
         sock: socket.socket | None = None,
         model_name: str = "policy",
+        sampler: TaskSampler | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -173,6 +196,8 @@ class TrainerDaemon:
         self.step = 0
         self.version = engine.policy_version
         self.next_task = 0
+        # which task each new group runs (None: the train tasks in order); see sampling.py
+        self.sampler = sampler
         self.consumed: dict[int, dict[str, list[str]]] = {}
         self.dropped_total = 0
         self.learner_busy_s = 0.0
@@ -249,7 +274,10 @@ class TrainerDaemon:
         if want <= 0:
             return
         ks = range(self.next_task, self.next_task + want)
-        tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
+        if self.sampler is not None:
+            tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
+        else:
+            tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
         await self.store.enqueue(tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks])
         self.next_task += want
 
@@ -276,21 +304,25 @@ class TrainerDaemon:
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
         t_start = time.perf_counter()
+        cpu_start = time.thread_time()
         tokens_before = self.engine.stats["tokens"]
+        busy_before = _engine_busy(self.engine)
         fresh, stale, waited = await self._take_groups(stop)
         if len(fresh) < self.tasks_per_step:
             return None
         step = self.step + 1
+        t_records = time.perf_counter()
         built = build_records(fresh, self.records_config)
+        new_groups, new_outcomes = self._observe(fresh, stale, built.reports)
         rewards = [r.reward for r in built.reports if r.reward is not None]
         n_rollouts = sum(len(g.rollouts) for g in fresh)
         staleness = [self.version - (group_version(g) or self.version) for g in fresh]
         metrics: dict[str, float] = {}
         learner_s = 0.0
+        records_s = time.perf_counter() - t_records  # the learner's own batch building counts in learner_s
         if built.records:
-            batch = self._batch(built.records)
             t0 = time.perf_counter()
-            metrics = await asyncio.to_thread(self.learner.step, batch)
+            metrics = await asyncio.to_thread(self.learner.step, built.records)  # the learner builds its batch
             learner_s = time.perf_counter() - t0
             self.learner_busy_s += learner_s
             new_version = self.version + 1
@@ -300,6 +332,7 @@ class TrainerDaemon:
             "trained": [g.group.group_id for g in fresh],
             "dropped": [g.group.group_id for g in stale],
         }
+        t_save = time.perf_counter()
         await asyncio.to_thread(
             save_checkpoint,
             self.run_dir,
@@ -307,10 +340,13 @@ class TrainerDaemon:
         )
         await self.store.consume_groups(step, self.consumed[step]["trained"] + self.consumed[step]["dropped"])
         self.step = step
+        t_publish = time.perf_counter()
+        save_s = t_publish - t_save
         if new_version != self.version:
             self.version = new_version
             self._publish(await asyncio.to_thread(self.weights), new_version)
             await self.store.publish_version(PolicyVersion(version=new_version, step=step))
+        publish_s = time.perf_counter() - t_publish
         self.dropped_total += len(stale)
         counts = await self.store.counts()
         wall = time.perf_counter() - t_start
@@ -330,8 +366,40 @@ class TrainerDaemon:
             tokens_per_s=(self.engine.stats["tokens"] - tokens_before) / max(wall, 1e-9),
             learner_s=learner_s,
             wait_s=waited,
+            records_s=records_s,
+            save_s=save_s,
+            publish_s=publish_s,
+            engine_busy_s=_engine_busy(self.engine) - busy_before,
+            loop_cpu_s=time.thread_time() - cpu_start,
+            fresh_groups=new_groups,
+            fresh_success_rate=(sum(new_outcomes) / len(new_outcomes)) if new_outcomes else None,
             metrics=metrics,
+            fresh_outcomes=new_outcomes,
         )
+
+    def _observe(
+        self, fresh: list[FinishedGroup], stale: list[FinishedGroup], reports: Sequence[Any]
+    ) -> tuple[int, list[float]]:
+        """Tell the sampler each consumed group's rewards; returns (groups on never-trained tasks, their rollouts'
+        outcomes). Without a sampler every group counts as fresh."""
+        by_group: dict[str, list[float]] = {}
+        for r in reports:
+            if r.reward is not None:
+                by_group.setdefault(r.group_id, []).append(float(r.reward))
+        n_new, outcomes = 0, []
+        for g in fresh:
+            gid = g.group.group_id
+            rewards = by_group.get(gid, [])
+            is_new = self.sampler.is_fresh(gid) if self.sampler is not None else True
+            if is_new is not False:
+                n_new += 1
+                outcomes += [1.0 if r > 0 else 0.0 for r in rewards]
+            if self.sampler is not None:
+                self.sampler.observe(gid, rewards)
+        if self.sampler is not None:
+            for g in stale:  # still a sign of which tasks sit at the frontier
+                self.sampler.observe(g.group.group_id, _rewards_of(g))
+        return n_new, outcomes
 
     def _publish(self, weights: Any, version: int) -> None:
         """Hand new weights to the engine without waiting: the swap waits for the engine's running batch, and the
@@ -350,18 +418,6 @@ class TrainerDaemon:
         """Wait until the engine serves the latest published weights."""
         if self._publisher is not None:
             await self._publisher
-
-    def _batch(self, records: Sequence[Any]) -> TrainBatch:
-        pad = self.engine.tokenizer.pad_token_id
-        arrays = build_batch(records, pad_id=int(pad) if pad is not None else 0)
-        weight = torch.from_numpy(arrays["sample_weight"]).unsqueeze(1)
-        return TrainBatch(
-            input_ids=torch.from_numpy(arrays["input_ids"]),
-            attention_mask=torch.from_numpy(arrays["attention_mask"]),
-            loss_mask=torch.from_numpy(arrays["loss_mask"]),
-            logprobs=torch.from_numpy(arrays["old_logprobs"]),
-            advantages=torch.from_numpy(arrays["advantages"]) * weight,
-        )
 
     async def train_steps(
         self,

@@ -5,9 +5,9 @@ what the serving engine is handed after each update.
     engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
     both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
 
-The daemon only sees ``Parts``: it calls ``learner.step``, ``weights()`` and ``engine.update_weights`` and never
-asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the trainer
-needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
+The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights``
+and never asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the
+trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import VERL_LAUNCH_KEYS, TrainConfig
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch
+from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 __all__ = [
     "LearnerLike",
@@ -56,7 +57,7 @@ class LearnerLike(Protocol):
 
     steps: int
 
-    def step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def step(self, records: Sequence[Record]) -> dict[str, float]: ...
 
     def weights(self) -> dict[str, torch.Tensor]: ...
 
@@ -229,7 +230,8 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
             if isinstance(engine, ServedEngine):
                 engine.stop_servers()
             raise
-    learner = Learner(model, _learner_config(config))
+    pad = tokenizer.pad_token_id
+    learner = Learner(model, _learner_config(config), pad_id=int(pad) if pad is not None else 0)
     weights: Callable[[], Any] = _disk_weights(model, tokenizer, run_dir / "weights") if remote else learner.weights
 
     def save(out: Path) -> None:

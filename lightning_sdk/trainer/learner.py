@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +29,11 @@ import torch
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.records.batch import build_batch
+from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss
 
-__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs", "train_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,20 @@ class TrainBatch:
                 raise TrainerError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
 
 
+def train_batch(records: Sequence[Record], *, pad_id: int = 0) -> TrainBatch:
+    """The embedded learner's batch of ``records`` (``records.build_batch``, right padding), each row's advantages
+    weighted by its share of its rollout (``Record.weight``)."""
+    arrays = build_batch(records, pad_id=pad_id)
+    weight = torch.from_numpy(arrays["sample_weight"]).unsqueeze(1)
+    return TrainBatch(
+        input_ids=torch.from_numpy(arrays["input_ids"]),
+        attention_mask=torch.from_numpy(arrays["attention_mask"]),
+        loss_mask=torch.from_numpy(arrays["loss_mask"]),
+        logprobs=torch.from_numpy(arrays["old_logprobs"]),
+        advantages=torch.from_numpy(arrays["advantages"]) * weight,
+    )
+
+
 def token_logprobs(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +110,11 @@ def token_logprobs(
 
 
 class Learner:
-    """Owns the trainable model and its optimizer; ``step(batch)`` does one update and returns metrics."""
+    """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
-    def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None, *, pad_id: int = 0) -> None:
         self.config = config or LearnerConfig()
+        self.pad_id = pad_id
         self.model = model
         self.model.train()
         self.device = next(model.parameters()).device
@@ -147,7 +164,11 @@ class Learner:
         """A detached copy of the current weights (what the engine swaps in)."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
+    def step(self, records: Sequence[Record]) -> dict[str, float]:
+        """One training step on ``records``: the padded batch (``train_batch``), then ``update``."""
+        return self.update(train_batch(records, pad_id=self.pad_id))
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
         """``ppo_epochs`` passes over ``batch`` in ``mini_batches`` row slices, one optimizer update per slice;
         returns loss and diagnostics (means over trained tokens and updates)."""
         cfg = self.config

@@ -44,6 +44,8 @@ from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon, bind_socket
 from lightning_sdk.trainer.data import load_rows
 from lightning_sdk.trainer.factory import Parts, build_parts, check_warm_start
 from lightning_sdk.trainer.phases import RunStopped, evaluate, never, warm_start_phase
+from lightning_sdk.trainer.sampling import TaskSampler
+from lightning_sdk.trainer.stopping import GainTarget
 from lightning_sdk.trainer.view import MetricsLog, ProgressView, plot_reward_curve
 
 __all__ = ["RunStopped", "build_daemon", "prepare_policy", "prepare_run_dir", "run_daemon", "run_training"]
@@ -105,6 +107,11 @@ def build_daemon(
     parts = build_parts(config, run_dir, model_dir)
     store = open_store(run_dir / "store.db")
     records = RecordsConfig(advantage=AdvantageConfig(estimator=rl.estimator, drop_zero_variance=rl.drop_zero_variance))
+    sampler = (
+        TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
+        if rl.replay_share > 0 and train_tasks
+        else None
+    )
     daemon = TrainerDaemon(
         store,
         parts.engine,
@@ -121,7 +128,10 @@ def build_daemon(
         host=config.host,
         port=config.port,
         sock=sock,
+        sampler=sampler,
     )
+    if sampler is not None:
+        sampler.start_at(daemon.next_task)
     return daemon, parts
 
 
@@ -163,12 +173,14 @@ async def _run_training(
     view = view or ProgressView(config.name, config.rl.steps)
     note = view.note
     resumed = load_checkpoint(out) is not None
+    timeline: dict[str, float] = {}  # seconds since the start of the command when each phase ended
 
     check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
     view.set_phase("building the policy")
     model_dir = prepare_policy(config, out, demos)
     daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock)
     await daemon.start()
+    timeline["startup_s"] = round(time.perf_counter() - t_start, 2)
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
     (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
     metrics = MetricsLog(out, backends=config.metrics, name=config.name)
@@ -186,49 +198,93 @@ async def _run_training(
             assert parts.model is not None  # check_warm_start: only the embedded backend warm-starts
             state["warm_start"] = await warm_start_phase(daemon, agent, config, demos, val, note, parts.model, stop)
             note(f"warm start: {state['warm_start']['steps']} steps, {state['warm_start']['wall_s']:.0f} s")
+        timeline["warm_start_end_s"] = round(time.perf_counter() - t_start, 2)
         if heldout and "eval_before" not in state:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (before)")
             state["eval_before"] = await evaluate(
                 daemon, agent, heldout, "eval-before", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
+        timeline["eval_before_end_s"] = round(time.perf_counter() - t_start, 2)
         state_path.write_text(json.dumps(state))
 
         view.set_phase("RL")
-        rows: list[dict[str, Any]] = []
+        timeline["rl_start_s"] = round(time.perf_counter() - t_start, 2)
+        target = (
+            GainTarget(state["eval_before"]["success_rate"], config.rl.target_gain, margin=config.rl.target_margin)
+            if config.rl.target_gain is not None and heldout and "eval_before" in state
+            else None
+        )
 
         def on_step(report: StepReport) -> None:
+            if target is not None:
+                target.observe_step(report.fresh_outcomes)
             row = report.as_dict()
             row["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-            rows.append(row)
+            if target is not None:
+                row["fresh_success_rolling"] = target.rolling
             metrics.write(row)
             view.step(report)
 
-        pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=config.rl.workers, split="train", poll_s=0.05)
-        stopping = False
-        pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
         deadline = t_start + config.rl.max_wall_s if config.rl.max_wall_s else None
         t_rl = time.perf_counter()
-        try:
-            await daemon.train_steps(config.rl.steps, deadline=deadline, on_step=on_step, stop=stop)
-        finally:
-            stopping = True
-            pool.stop(release=True)
-            await pool_task
-            await pool.close()
-        if stop():
-            raise RunStopped(daemon.step)
+        checks: list[dict[str, Any]] = []
+        pause = target.due if target is not None else never
+
+        def stop_or_pause() -> bool:
+            return stop() or pause()
+
+        while True:
+            await _rl_round(daemon, agent, config, on_step, deadline, stop_or_pause)
+            if stop():
+                raise RunStopped(daemon.step)
+            if target is None or not target.due():
+                break
+            await daemon.flush_weights()  # the check evaluates the newest weights
+            t_check = time.perf_counter()
+            view.set_phase(f"evaluating {len(heldout)} held-out tasks (target check at step {daemon.step})")
+            result = await evaluate(
+                daemon, agent, heldout, f"eval-check-{target.checks + 1}", eval_sampling, config.eval.workers, stop
+            )
+            reached = target.reached(result["success_rate"])
+            checks.append(
+                {
+                    "step": daemon.step,
+                    "success_rate": result["success_rate"],
+                    "reached": reached,
+                    "elapsed_s": round(time.perf_counter() - t_start, 2),
+                    "wall_s": round(time.perf_counter() - t_check, 2),
+                }
+            )
+            note(
+                f"held-out check at step {daemon.step}: {100 * result['success_rate']:.1f}%"
+                f" ({'target reached' if reached else 'going on'})"
+            )
+            if reached:
+                state["eval_after"] = result
+                timeline["target_reached_s"] = checks[-1]["elapsed_s"]
+                break
+            if daemon.step >= config.rl.steps or (deadline is not None and time.perf_counter() >= deadline):
+                break
+            view.set_phase("RL")
         await daemon.flush_weights()
         rl_wall = time.perf_counter() - t_rl
         busy = daemon.learner_busy_s
-        state["rl"] = {"steps": daemon.step, "wall_s": round(rl_wall, 2), "learner_busy_s": round(busy, 2)}
+        state["rl"] = {
+            "steps": daemon.step,
+            "wall_s": round(rl_wall, 2),
+            "learner_busy_s": round(busy, 2),
+            "checks": checks,
+        }
+        timeline["rl_end_s"] = round(time.perf_counter() - t_start, 2)
 
-        if heldout:
+        if heldout and "eval_after" not in state:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks (after)")
             state["eval_after"] = await evaluate(
                 daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers, stop
             )
             note(f"held-out success after RL: {100 * state['eval_after']['success_rate']:.1f}%")
+        timeline["eval_after_end_s"] = round(time.perf_counter() - t_start, 2)
         model_out = out / "model"
         await asyncio.to_thread(parts.save_model, model_out)
     finally:  # the workers are done (or released their attempts) by now: the proxy stops last
@@ -254,10 +310,33 @@ async def _run_training(
         "dropped_stale_groups": daemon.dropped_total,
         "reward_curve": str(curve) if curve else None,
         "resumed": resumed,
+        "timeline": timeline,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     view.set_phase("done")
     return summary
+
+
+async def _rl_round(
+    daemon: TrainerDaemon,
+    agent: Any,
+    config: TrainConfig,
+    on_step: Callable[[StepReport], None],
+    deadline: float | None,
+    stop: Callable[[], bool],
+) -> None:
+    """Run the in-process workers and train until ``rl.steps``, ``deadline`` or ``stop()``; the workers release
+    their in-flight attempts when it ends."""
+    pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=config.rl.workers, split="train", poll_s=0.05)
+    stopping = False
+    pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
+    try:
+        await daemon.train_steps(config.rl.steps, deadline=deadline, on_step=on_step, stop=stop)
+    finally:
+        stopping = True
+        pool.stop(release=True)
+        await pool_task
+        await pool.close()
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:

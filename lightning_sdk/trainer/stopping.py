@@ -13,7 +13,7 @@ import os
 import signal
 from collections.abc import Callable
 
-__all__ = ["GracefulStop"]
+__all__ = ["GainTarget", "GracefulStop"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,3 +50,68 @@ class GracefulStop:
         logger.info(message)
         if self._note is not None:
             self._note(message)
+
+
+class GainTarget:
+    """When RL should stop to check, on the held-out tasks, whether it reached its target gain.
+
+    The trainer feeds it the sampled success of each step's *fresh* groups (tasks never trained on, so the replays
+    of ``TaskSampler`` do not bias it). Once the success over the last ``window`` fresh rollouts reaches
+    ``baseline + gain + margin`` (``baseline``: held-out success before RL), ``due()`` turns true: RL pauses and the
+    held-out evaluation runs. ``reached(success)`` says whether that evaluation met the target; if not, RL goes on
+    and the next check waits at least ``min_steps`` more steps and a higher trigger (``margin`` grows by ``bump``).
+    """
+
+    def __init__(
+        self,
+        baseline: float,
+        gain: float,
+        *,
+        margin: float = 0.0,
+        window: int = 256,
+        min_steps: int = 5,
+        bump: float = 0.05,
+    ) -> None:
+        self.baseline = baseline
+        self.gain = gain
+        self.margin = margin
+        self.window = window
+        self.min_steps = min_steps
+        self.bump = bump
+        self.checks = 0
+        self._outcomes: list[float] = []
+        self._steps = 0
+        self._since_check = 0
+        self._due = False
+
+    @property
+    def trigger(self) -> float:
+        """The rolling fresh-task success that triggers the next held-out check."""
+        return self.baseline + self.gain + self.margin
+
+    @property
+    def rolling(self) -> float | None:
+        """The sampled success over the last ``window`` fresh rollouts (None before any)."""
+        return sum(self._outcomes) / len(self._outcomes) if self._outcomes else None
+
+    def observe_step(self, fresh_outcomes: list[float]) -> None:
+        """One RL step's fresh-task rollout outcomes (1.0 success, 0.0 failure)."""
+        self._steps += 1
+        self._since_check += 1
+        self._outcomes = (self._outcomes + list(fresh_outcomes))[-self.window :]
+        rolling = self.rolling
+        enough = len(self._outcomes) >= min(self.window, 64) and self._since_check >= self.min_steps
+        self._due = enough and rolling is not None and rolling >= self.trigger
+
+    def due(self) -> bool:
+        return self._due
+
+    def reached(self, success: float) -> bool:
+        """The held-out success of the check that ``due()`` asked for: True when the target gain is met."""
+        self.checks += 1
+        self._due = False
+        self._since_check = 0
+        if success - self.baseline >= self.gain:
+            return True
+        self.margin += self.bump
+        return False

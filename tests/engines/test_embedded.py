@@ -169,3 +169,81 @@ async def test_closed_engine_refuses(policy_dir: Path) -> None:
     await eng.close()
     with pytest.raises(EngineError):
         await eng.generate([1, 2, 3], Sampling(max_tokens=2))
+
+
+async def test_prefix_cache_gives_the_logprobs_of_a_cold_prefill(engine: EmbeddedEngine, policy_dir: Path) -> None:
+    """A call whose prompt extends the previous prompt + completion (the next turn of an episode) and a group's
+    equal first prompts reuse cached KV, and record the log-probs of a cold prefill (a plain forward pass and an
+    engine with the cache off) within float tolerance."""
+    model, _ = load_policy(policy_dir)
+    cold = EmbeddedEngine.from_pretrained(policy_dir, prefix_cache=False)
+    try:
+        first = _prompt(engine, "What is 6 times 7?")
+        tool = [int(i) for i in engine.tokenizer.encode("<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")]
+        sampling = Sampling(max_tokens=10, temperature=1.0, seed=4)
+        turn1 = await engine.generate(first, sampling)
+        sibling = await engine.generate(first, sampling.model_copy(update={"seed": 5}))  # same first prompt
+        reused_before = engine.stats["reused_tokens"]
+        second = first + turn1.completion_ids + tool
+        turn2 = await engine.generate(second, sampling)
+        reused = engine.stats["reused_tokens"] - reused_before
+        assert reused == len(first) + len(turn1.completion_ids) - 1  # all but the last sampled token's KV
+        assert engine.prefix_cache is not None and engine.prefix_cache.hits >= 2
+        for prompt, gen in ((first, sibling), (second, turn2)):
+            assert gen.logprobs == pytest.approx(_reference_logprobs(model, prompt, gen.completion_ids, 1.0), abs=2e-4)
+        again = await cold.generate(second, sampling)
+        assert cold.stats["reused_tokens"] == 0
+        assert again.completion_ids == turn2.completion_ids
+        assert again.logprobs == pytest.approx(turn2.logprobs, abs=2e-4)
+    finally:
+        await cold.close()
+
+
+async def test_weight_swap_empties_the_prefix_cache(engine: EmbeddedEngine) -> None:
+    """KV computed by old weights is never reused after a swap: the next turn prefills in full, on the new weights."""
+    first = _prompt(engine, "Add 12 and 30.")
+    sampling = Sampling(max_tokens=6, temperature=0.0)
+    turn1 = await engine.generate(first, sampling)
+    assert engine.prefix_cache is not None and len(engine.prefix_cache) > 0
+    state = {k: v.clone() for k, v in engine._model.state_dict().items()}
+    new = {k: (v + 0.5 * torch.randn_like(v) if v.dtype.is_floating_point else v) for k, v in state.items()}
+    await engine.update_weights(new, 1)
+    assert len(engine.prefix_cache) == 0
+    reused = engine.stats["reused_tokens"]
+    second = first + turn1.completion_ids + [int(i) for i in engine.tokenizer.encode("<|im_start|>user\nok")]
+    turn2 = await engine.generate(second, sampling)
+    assert engine.stats["reused_tokens"] == reused and turn2.policy_version == 1
+    ref = _reference_logprobs(engine._model, second, turn2.completion_ids, 0.0)
+    assert turn2.logprobs == pytest.approx(ref, abs=2e-4)
+
+
+async def test_a_request_joins_the_running_batch(engine: EmbeddedEngine) -> None:
+    """Continuous batching: a short request sent while a long one decodes starts at once and finishes first."""
+    prompt = _prompt(engine, "What is 9 minus 4?")
+    long = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=60, temperature=1.0, seed=1)))
+    tokens = engine.stats["tokens"]
+    while engine.stats["tokens"] < tokens + 2:
+        await asyncio.sleep(0.0005)
+    short = await engine.generate(_prompt(engine, "Add 1 and 2."), Sampling(max_tokens=2, temperature=1.0, seed=1))
+    assert len(short.completion_ids) <= 2
+    done_long = long.done()
+    gen = await long
+    assert not done_long or gen.finish_reason == "stop"
+    assert engine.stats["max_batch"] >= 2
+
+
+async def test_rows_with_and_without_cached_prefixes_share_a_prefill(engine: EmbeddedEngine, policy_dir: Path) -> None:
+    """One prefill of a cold prompt, a group sibling and a next turn (different cached lengths, left-padded into one
+    batch) records, for each, the log-probs of a plain forward pass."""
+    model, _ = load_policy(policy_dir)
+    first = _prompt(engine, "Multiply 13 by 3.")
+    turn1 = await engine.generate(first, Sampling(max_tokens=8, temperature=1.0, seed=2))
+    tool = [int(i) for i in engine.tokenizer.encode("<|im_start|>tool\n39<|im_end|>\n<|im_start|>assistant\n")]
+    prompts = [first + turn1.completion_ids + tool, first, _prompt(engine, "What is 81 minus 17? Quickly.")]
+    reused = engine.stats["reused_tokens"]
+    sampling = Sampling(max_tokens=8, temperature=0.8, seed=6)
+    gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+    assert engine.stats["reused_tokens"] > reused
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ref = _reference_logprobs(model, prompt, gen.completion_ids, 0.8)
+        assert gen.logprobs == pytest.approx(ref, abs=2e-4)

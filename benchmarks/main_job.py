@@ -1,0 +1,155 @@
+"""The main job, timed: ``lightning-sdk train examples/calc_agent``, its time to +30 points and where the time went.
+
+    python benchmarks/main_job.py [--output DIR] [--set rl.replay_share=0 ...]   # runs the command
+    python benchmarks/main_job.py --run-dir DIR                                  # reads a finished run
+
+Runs the real command in a subprocess (peak RSS from the child's rusage), then reads the run's own
+``summary.json`` and ``metrics.jsonl`` and prints:
+
+- the whole command's wall time, held-out success before/after (n = 200) and the time to +30 points: when the
+  held-out check that met the target ended (``timeline.target_reached_s``), or the end of the final evaluation if
+  that one met it;
+- the phases: start-up (policy built, proxy up), warm start, evaluations (before, target checks, after), RL, and
+  saving the model;
+- the RL steps from the learner's side: waiting for groups (learner idle), building records, the learner's update,
+  checkpoint + consume, weight publication; beside them the engine's generation time and the CPU of the event-loop
+  thread (proxy, store, in-process agents), which run concurrently;
+- wasted generation: the share of generated groups that taught nothing (zero reward variance, or dropped as
+  stale), and how many groups were replays of informative tasks;
+- the machine's load average at start and end (the figures are only comparable at similar load).
+
+``--set KEY=VALUE`` passes config overrides (``rl.replay_share=0``, ``rl.target_gain=null``...) to compare variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "calc_agent"
+
+
+def run(out: Path, overrides: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    load0 = os.getloadavg()[0]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        sys.exit(f"the command failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return {"wall_s": wall, "peak_rss_mb": peak_kb / 1024, "load_start": load0, "load_end": os.getloadavg()[0]}
+
+
+def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    before, after = summary["eval_before"]["success_rate"], summary["eval_after"]["success_rate"]
+    tl: dict[str, float] = summary.get("timeline") or {}
+    rl = summary.get("rl") or {}
+    checks = rl.get("checks") or []
+    wall = measured["wall_s"] if measured else summary["wall_s"]
+    gain = after - before
+    print(f"run: {run_dir}")
+    if measured:
+        print(
+            f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "
+            f"({os.cpu_count()} CPUs)"
+        )
+        print(f"peak RSS: {measured['peak_rss_mb']:.0f} MB")
+    print(
+        f"command: {wall:.0f} s; held-out success {100 * before:.1f}% -> {100 * after:.1f}% "
+        f"({100 * gain:+.1f} points, n = {summary['eval_after']['n']}); {summary['steps']} RL steps"
+    )
+    if "target_reached_s" in tl:
+        print(f"time to +30: {tl['target_reached_s']:.0f} s (held-out check at step {checks[-1]['step']})")
+    elif gain >= 0.30:
+        end = tl.get("eval_after_end_s", summary["wall_s"])
+        print(f"time to +30: {end:.0f} s (the final evaluation; RL ran to its budget)")
+    else:
+        print("time to +30: not reached")
+
+    ws = (summary.get("warm_start") or {}).get("wall_s", 0.0)
+    ev_before = summary["eval_before"].get("wall_s", 0.0)
+    ev_after = 0.0 if "target_reached_s" in tl else summary["eval_after"].get("wall_s", 0.0)
+    ev_checks = sum(c["wall_s"] for c in checks)
+    rl_wall = rl.get("wall_s", 0.0) - ev_checks
+    startup = tl.get("startup_s")
+    print("phases (s):")
+    if startup is not None:
+        print(f"  start-up {startup:.1f}")
+    print(f"  warm start {ws:.1f}")
+    print(
+        f"  evaluations {ev_before + ev_checks + ev_after:.1f} (before {ev_before:.1f}, "
+        f"{len(checks)} target checks {ev_checks:.1f}, after {ev_after:.1f})"
+    )
+    print(f"  RL {rl_wall:.1f}")
+    if startup is not None:
+        rest = summary["wall_s"] - startup - ws - ev_before - ev_checks - ev_after - rl_wall
+        print(f"  other (loading tasks and agent, saving the model, summary) {rest:.1f}")
+
+    def total(key: str) -> float | None:
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) if vals else None
+
+    steps_wall = total("wall_s") or 0.0
+    print(f"RL steps ({len(rows)}, {steps_wall:.1f} s), the learner's side:")
+    for key, label in (
+        ("wait_s", "waiting for groups (learner idle)"),
+        ("records_s", "records + batch"),
+        ("learner_s", "learner update"),
+        ("save_s", "checkpoint + consume"),
+        ("publish_s", "weight publication"),
+    ):
+        v = total(key)
+        share = f" ({100 * v / steps_wall:.0f}%)" if v is not None and steps_wall else ""
+        print(f"  {label:<36} {'n/a' if v is None else f'{v:.1f}'}{share}")
+    print("  concurrently:")
+    for key, label in (("engine_busy_s", "generation (engine thread busy)"), ("loop_cpu_s", "proxy/store/agents CPU")):
+        v = total(key)
+        print(f"  {label:<36} {'n/a' if v is None else f'{v:.1f}'}")
+    tokens = sum(r.get("tokens_per_s", 0.0) * r.get("wall_s", 0.0) for r in rows)
+    print(f"  generated tokens {tokens:.0f} ({tokens / max(steps_wall, 1e-9):.0f}/s over the RL steps)")
+
+    trained = sum(r["groups"] for r in rows)
+    stale = sum(r["dropped_stale"] for r in rows)
+    zero = sum(r["zero_variance_groups"] for r in rows)
+    generated = trained + stale
+    fresh = total("fresh_groups")
+    print(
+        f"groups: {generated} generated, {zero} zero reward variance ({100 * zero / max(1, generated):.0f}%), "
+        f"{stale} dropped stale ({100 * stale / max(1, generated):.0f}%): "
+        f"{100 * (zero + stale) / max(1, generated):.0f}% taught nothing"
+        + (f"; {trained - fresh:.0f} of the trained were replays" if fresh is not None else "")
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run-dir", type=Path, help="report on a finished run instead of running the command")
+    ap.add_argument("--output", type=Path, help="run directory (default: a temporary one)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    args = ap.parse_args()
+    if args.run_dir:
+        report(args.run_dir, None)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.output or Path(tmp) / "run"
+        measured = run(out, args.set)
+        report(out, measured)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Task sampling by how informative a task's last group was, and the stop-at-target check of the RL phase."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_sdk.trainer.sampling import TaskSampler
+from lightning_sdk.trainer.stopping import GainTarget
+
+
+def test_fresh_tasks_in_order_without_replays() -> None:
+    sampler = TaskSampler(5, replay_share=0.0)
+    assert [sampler.pick(f"g{k}") for k in range(7)] == [0, 1, 2, 3, 4, 0, 1]
+    assert sampler.is_fresh("g3") is True and sampler.is_fresh("unknown") is None
+
+
+def test_informative_tasks_are_replayed_and_uninformative_ones_not() -> None:
+    sampler = TaskSampler(100, replay_share=1.0, max_replays=2)
+    a, b, c = sampler.pick("a"), sampler.pick("b"), sampler.pick("c")
+    sampler.observe("a", [1.0, 0.0, 1.0])  # variance: replay
+    sampler.observe("b", [0.0, 0.0, 0.0])  # all failed: taught nothing
+    sampler.observe("c", [1.0, 1.0, 1.0])  # all solved: taught nothing
+    assert sampler.queued == 1
+    assert sampler.pick("a2") == a and sampler.is_fresh("a2") is False
+    sampler.observe("a2", [0.0, 1.0])
+    assert sampler.pick("a3") == a  # second replay
+    sampler.observe("a3", [0.0, 1.0])
+    assert sampler.queued == 0  # max_replays reached
+    assert sampler.pick("d") == 3 and b == 1 and c == 2
+    assert (sampler.picked_fresh, sampler.picked_replay) == (4, 2)
+
+
+def test_replay_share_mixes_fresh_and_replayed_groups() -> None:
+    sampler = TaskSampler(1000, replay_share=0.5, max_replays=100, seed=1)
+    first = sampler.pick("g0")
+    sampler.observe("g0", [0.0, 1.0])
+    replays = 0
+    for k in range(1, 201):
+        task = sampler.pick(f"g{k}")
+        if task == first:
+            replays += 1
+            sampler.observe(f"g{k}", [0.0, 1.0])  # stays informative: queued again
+    assert 70 <= replays <= 130
+
+
+def test_gain_target_triggers_a_check_and_raises_the_bar_after_a_miss() -> None:
+    target = GainTarget(0.2, 0.3, window=64, min_steps=2)
+    target.observe_step([1.0] * 20 + [0.0] * 44)  # 31% < 50%
+    assert not target.due() and target.rolling == pytest.approx(20 / 64)
+    target.observe_step([1.0] * 64)  # 100% over the last 64, two steps seen
+    assert target.due()
+    assert target.reached(0.45) is False  # held-out +25 points: go on
+    assert not target.due() and target.trigger == pytest.approx(0.55)
+    target.observe_step([1.0] * 64)
+    assert not target.due()  # min_steps since the last check
+    target.observe_step([1.0] * 64)
+    assert target.due() and target.reached(0.52) is True and target.checks == 2
