@@ -314,3 +314,38 @@ def test_records_cli_exports_surface_episodes_like_chat_ones(tmp_path: Path) -> 
     assert summary["calls"] == summary["trained_calls"] == 4 and summary["records"] == 2
     assert summary["tokens_trained"] == sum(sum(r["loss_mask"]) for r in rows) == n_completion
     assert summary["retokenized_calls"] == summary["text_only_calls"] == 0 and summary["split_reasons"] == {}
+
+
+def test_finish_waits_for_a_surface_call_in_flight(tmp_path: Path) -> None:
+    """The finish barrier covers the surfaces: a streamed Messages call still being served when the agent posts
+    finish is recorded before finish answers; a call after finish gets 409 in Anthropic's shape."""
+    import threading
+
+    from tests.support.proxy import run_proxy
+    from tests.support.servers import run_server
+    from tests.surfaces.upstream import ScriptedReply, ScriptedUpstream
+
+    upstream = ScriptedUpstream([ScriptedReply("slow answer")], delay_s=1.0)
+    with run_server(upstream.app) as srv, run_proxy(srv.url + "/v1", store_path=tmp_path / "store.db") as px:
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        texts: list[str] = []
+
+        def call() -> None:
+            with claude.messages.stream(
+                model="policy", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            ) as st:
+                texts.append(st.get_final_text())
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        while not upstream.requests:  # the call reached the engine: it is in flight
+            threading.Event().wait(0.01)
+        finished = px.finish(s["token"])
+        worker.join()
+        assert finished.status_code == 200 and finished.json()["calls"] == 1 and texts == ["slow answer"]
+        detail = px.call(px.store.get_rollout(s["rollout_id"]))
+        assert [c.error for c in detail.attempts[0].calls] == [None]  # committed before finish answered
+        with pytest.raises(anthropic.ConflictError) as late:
+            claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "again"}])
+        assert late.value.body["type"] == "error"  # type: ignore[index]
