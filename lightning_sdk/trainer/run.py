@@ -35,6 +35,7 @@ import torch
 from lightning_sdk.agent import WorkerPool, load_agent
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
+from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
@@ -74,6 +75,8 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict[str, Any]]) -> Path:
     """The initial policy directory: the configured model dir, or the tiny default built in ``run_dir``."""
+    if config.policy.model in SMOLLM2_NAMES:
+        return prepare_smollm2()
     if config.policy.model != "tiny":
         path = Path(config.resolve(config.policy.model))
         if not (path / "config.json").exists():
