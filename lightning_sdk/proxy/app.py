@@ -236,6 +236,9 @@ class Proxy:
             error = from_sdk_error(exc)
         except StopAsyncIteration:
             error = ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
+        except Exception as exc:  # a bug must not lose the call: answer 500 (if still possible) and record it
+            logger.exception("call %s failed", ctx.call_id if ctx is not None else "?")
+            error = ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
         except asyncio.CancelledError:
             if state.closing == "aborting":
                 task.uncancel()  # type: ignore[union-attr]

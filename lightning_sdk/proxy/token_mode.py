@@ -592,6 +592,15 @@ class RetokenizingBackend:
     async def models(self) -> list[str]:
         return await self.inner.models()
 
+    async def start(self) -> None:
+        start = getattr(self.inner, "start", None)
+        if callable(start):
+            await start()
+
+    def upstream_state(self) -> dict[str, Any] | None:
+        state = getattr(self.inner, "upstream_state", None)
+        return state() if callable(state) else None
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 

@@ -314,3 +314,79 @@ def test_records_cli_exports_surface_episodes_like_chat_ones(tmp_path: Path) -> 
     assert summary["calls"] == summary["trained_calls"] == 4 and summary["records"] == 2
     assert summary["tokens_trained"] == sum(sum(r["loss_mask"]) for r in rows) == n_completion
     assert summary["retokenized_calls"] == summary["text_only_calls"] == 0 and summary["split_reasons"] == {}
+
+
+def test_finish_waits_for_a_surface_call_in_flight(tmp_path: Path) -> None:
+    """The finish barrier covers the surfaces: a streamed Messages call still being served when the agent posts
+    finish is recorded before finish answers; a call after finish gets 409 in Anthropic's shape."""
+    import threading
+
+    from tests.support.proxy import run_proxy
+    from tests.support.servers import run_server
+    from tests.surfaces.upstream import ScriptedReply, ScriptedUpstream
+
+    upstream = ScriptedUpstream([ScriptedReply("slow answer")], delay_s=1.0)
+    with run_server(upstream.app) as srv, run_proxy(srv.url + "/v1", store_path=tmp_path / "store.db") as px:
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        texts: list[str] = []
+
+        def call() -> None:
+            with claude.messages.stream(
+                model="policy", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            ) as st:
+                texts.append(st.get_final_text())
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        while not upstream.requests:  # the call reached the engine: it is in flight
+            threading.Event().wait(0.01)
+        finished = px.finish(s["token"])
+        worker.join()
+        assert finished.status_code == 200 and finished.json()["calls"] == 1 and texts == ["slow answer"]
+        detail = px.call(px.store.get_rollout(s["rollout_id"]))
+        assert [c.error for c in detail.attempts[0].calls] == [None]  # committed before finish answered
+        with pytest.raises(anthropic.ConflictError) as late:
+            claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "again"}])
+        assert late.value.body["type"] == "error"  # type: ignore[index]
+
+
+def test_a_turn_known_only_by_its_encrypted_content_gets_the_recorded_reply_back() -> None:
+    """Codex with ``store: false`` sends an earlier reasoning item back as its opaque ``encrypted_content`` (the
+    summary may be dropped, the function call re-serialised): the proxy resolves the reference to the call it
+    recorded and puts that call's reply (reasoning, arguments exactly as sampled) back into the conversation."""
+    from lightning_sdk.types import Call
+
+    sampled = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Check the disk first.",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "sh", "arguments": '{"cmd":"df"}'}}],
+    }
+    shown = Reply.from_chat({"choices": [{"message": sampled}]}).shown()
+    call = Call(
+        call_id="call-rec1",
+        attempt_id="at",
+        rollout_id="ro",
+        model="policy",
+        request={"messages": [{"role": "user", "content": "disk?"}], "surface": {"api": "responses", "shown": shown}},
+        response={"choices": [{"index": 0, "message": sampled, "finish_reason": "tool_calls"}]},
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-0.1, -0.2],
+    )
+    body = {
+        "model": "policy",
+        "input": [
+            {"type": "message", "role": "user", "content": "disk?"},
+            {"type": "reasoning", "summary": [], "encrypted_content": opaque_ref("call-rec1", "reasoning")},
+            {"type": "function_call", "call_id": "call_a", "name": "sh", "arguments": '{"cmd": "df"}'},
+            {"type": "function_call_output", "call_id": "call_a", "output": "90% used"},
+        ],
+    }
+    t = ResponsesSurface().translate(body, PriorReplies([call]), "call-new")
+    assert t.chat["messages"][1] == sampled  # the recorded reply, not the re-serialised one without reasoning
+    edited = dict(body, input=[*body["input"][:2], {**body["input"][2], "arguments": '{"cmd": "rm -rf /"}'}])
+    t2 = ResponsesSurface().translate(edited, PriorReplies([call]), "call-new2")
+    assert t2.chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"cmd": "rm -rf /"}'  # kept as sent
+    assert "reasoning_content" not in t2.chat["messages"][1]
