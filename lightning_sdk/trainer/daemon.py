@@ -167,6 +167,7 @@ class TrainerDaemon:
         samples_per_task: int = 8,
         max_staleness: int = 1,
         records_config: RecordsConfig | None = None,
+        max_attempts: int = 1,
         rollout_sampling: dict[str, Any] | None = None,
         admin_key: str,
         host: str = "127.0.0.1",
@@ -185,6 +186,7 @@ class TrainerDaemon:
         self.train_tasks = list(train_tasks)
         self.tasks_per_step = tasks_per_step
         self.samples_per_task = samples_per_task
+        self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
         self.max_staleness = max_staleness
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
         self.rollout_sampling = rollout_sampling
@@ -278,7 +280,13 @@ class TrainerDaemon:
             tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
         else:
             tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
-        await self.store.enqueue(tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks])
+        await self.store.enqueue(
+            tasks,
+            n=self.samples_per_task,
+            split="train",
+            max_attempts=self.max_attempts,
+            group_ids=[f"train-{k}" for k in ks],
+        )
         self.next_task += want
 
     # -- one step ------------------------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ def build_daemon(
     model_dir: Path,
     train_tasks: list[dict[str, Any]],
     sock: socket.socket | None = None,
+    max_attempts: int = 1,
 ) -> tuple[TrainerDaemon, Parts]:
     """Store (SQLite in the run dir) + the engine and learner of ``config.backend`` / ``config.engine``
     (``factory.build_parts``) + daemon for ``model_dir``, serving on ``sock`` if given (bound up front by
@@ -126,6 +127,7 @@ def build_daemon(
         samples_per_task=rl.samples_per_task,
         max_staleness=rl.max_staleness,
         records_config=records,
+        max_attempts=max_attempts,
         rollout_sampling={"temperature": rl.temperature, "top_p": 1.0, "max_tokens": rl.max_tokens},
         admin_key=secrets.token_urlsafe(24),
         host=config.host,
@@ -181,7 +183,7 @@ async def _run_training(
     check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
     view.set_phase("building the policy")
     model_dir = prepare_policy(config, out, demos)
-    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock)
+    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock, max_attempts=agent.max_attempts)
     await daemon.start()
     timeline["startup_s"] = round(time.perf_counter() - t_start, 2)
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
