@@ -23,3 +23,15 @@ def test_both_jobs_warm_start_on_the_same_validation_tasks(tmp_path: Path) -> No
     for job in (train_job.run_training, daemon_job.run_daemon):  # both set up and warm-start through open_job
         source = inspect.getsource(job)
         assert "open_job(" in source and "warm_start(" in source and "train_tasks[-" not in source
+
+
+def test_one_sampling_override_rule_for_every_engine() -> None:
+    """Evaluation and RL sampling replace the request's settings, except ``max_tokens``, which only caps it (the
+    rule was written twice, in the embedded engine and in the served-engine wrapper)."""
+    from lightning_sdk.engines.base import Sampling
+
+    asked = Sampling(max_tokens=20, temperature=1.0, top_p=0.9)
+    assert asked.overridden(None) is asked
+    forced = asked.overridden({"temperature": 0.0, "max_tokens": 64})
+    assert (forced.temperature, forced.max_tokens, forced.top_p) == (0.0, 20, 0.9)
+    assert asked.overridden({"max_tokens": 8}).max_tokens == 8
