@@ -60,11 +60,14 @@ async def run_training(
         if warm is not None:
             state["warm_start"] = warm
         job.mark("warm_start_end_s")
+
+        async def held_out(split: str, label: str) -> dict[str, Any]:
+            view.set_phase(f"evaluating {len(heldout)} held-out tasks ({label})")
+            result = await evaluate(daemon, agent, heldout, split, eval_sampling, config.eval.workers, stop)
+            return result
+
         if heldout and "eval_before" not in state:
-            view.set_phase(f"evaluating {len(heldout)} held-out tasks (before)")
-            state["eval_before"] = await evaluate(
-                daemon, agent, heldout, "eval-before", eval_sampling, config.eval.workers, stop
-            )
+            state["eval_before"] = await held_out("eval-before", "before")
             note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
         job.mark("eval_before_end_s")
         state_path.write_text(json.dumps(state))
@@ -103,10 +106,7 @@ async def run_training(
                 break
             await daemon.flush_weights()  # the check evaluates the newest weights
             t_check = time.perf_counter()
-            view.set_phase(f"evaluating {len(heldout)} held-out tasks (target check at step {daemon.step})")
-            result = await evaluate(
-                daemon, agent, heldout, f"eval-check-{target.checks + 1}", eval_sampling, config.eval.workers, stop
-            )
+            result = await held_out(f"eval-check-{target.checks + 1}", f"target check at step {daemon.step}")
             reached = target.reached(result["success_rate"])
             checks.append(
                 {
@@ -140,10 +140,7 @@ async def run_training(
         job.mark("rl_end_s")
 
         if heldout and "eval_after" not in state:
-            view.set_phase(f"evaluating {len(heldout)} held-out tasks (after)")
-            state["eval_after"] = await evaluate(
-                daemon, agent, heldout, "eval-after", eval_sampling, config.eval.workers, stop
-            )
+            state["eval_after"] = await held_out("eval-after", "after")
             note(f"held-out success after RL: {100 * state['eval_after']['success_rate']:.1f}%")
         job.mark("eval_after_end_s")
         model_out = out / "model"
