@@ -273,9 +273,10 @@ def _mutations(line: str, kind: str, fn: Function) -> list[str]:
     return out
 
 
-def fix_fragments(good: str, bad: str) -> tuple[str, str] | None:
-    """The shortest readable (OLD, NEW) pair such that replacing the first OLD in ``bad`` by NEW gives ``good``:
-    the differing span widened to whole words until OLD occurs once in ``bad``. None when no sed-safe pair exists."""
+def fix_fragments(good: str, bad: str, context: str = "") -> tuple[str, str] | None:
+    """The shortest readable (OLD, NEW) pair such that replacing OLD in ``bad`` by NEW gives ``good``: the differing
+    span widened to whole words until OLD occurs once in ``bad`` + ``context`` (the rest of the file), so that
+    ``sed -i 's/OLD/NEW/' FILE`` fixes exactly this line. None when no unique, sed-safe pair exists."""
     p = 0
     while p < min(len(good), len(bad)) and good[p] == bad[p]:
         p += 1
@@ -291,7 +292,7 @@ def fix_fragments(good: str, bad: str) -> tuple[str, str] | None:
         hi_good += 1
     for _ in range(8):
         old, new = bad[lo:hi_bad], good[lo:hi_good]
-        if old.strip() and bad.count(old) == 1:
+        if old.strip() and bad.count(old) == 1 and old not in context:
             if set(old) & _SED_UNSAFE or set(new) & set("\\/&'"):
                 return None
             return old, new
@@ -311,17 +312,19 @@ def fix_fragments(good: str, bad: str) -> tuple[str, str] | None:
     return None
 
 
-def _inject(fn: Function, kind: str, rng: random.Random) -> tuple[str, int, str, str] | None:
-    """A buggy source of ``fn`` with a bug of ``kind`` that the tests catch: (source, line index, OLD, NEW)."""
+def _inject(fn: Function, kind: str, rng: random.Random, others: str = "") -> tuple[str, int, str, str] | None:
+    """A buggy source of ``fn`` with a bug of ``kind`` that the tests catch: (source, line index, OLD, NEW); OLD is
+    unique in the file (``others``: the other functions' text)."""
     lines = fn.source.splitlines()
     options = [(k, bad) for k, line in enumerate(lines) if k > 0 for bad in _mutations(line, kind, fn)]
     rng.shuffle(options)
     cases = test_cases(fn)
     for k, bad in options:
-        frag = fix_fragments(lines[k], bad)
+        rest = "\n".join(lines[:k] + lines[k + 1 :]) + "\n" + others
+        frag = fix_fragments(lines[k], bad, rest)
         if frag is None:
             continue
-        source = "\n".join([*lines[:k], bad, *lines[k + 1:]]) + "\n"
+        source = "\n".join([*lines[:k], bad, *lines[k + 1 :]]) + "\n"
         buggy = Function(fn.name, fn.shape, source, fn.args)
         if any(_outcome(buggy, args) != expected for args, expected in cases):
             return source, k, frag[0], frag[1]
@@ -366,7 +369,7 @@ def _make(
 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """(task, its fix) — the fix (line, OLD, NEW) stays out of the task: the harness gets the task."""
     rng = random.Random(seed)
-    injected = _inject(target, kind, rng)
+    injected = _inject(target, kind, rng, "\n".join(fn.source for fn in neighbours))
     if injected is None:
         return None
     source, line_idx, old, new = injected
@@ -455,11 +458,11 @@ TOOLS = [BASH_TOOL, SUBMIT_TOOL]
 
 
 def locate_command(task: dict[str, Any]) -> str:
-    return f"grep -rn -A5 'def {task['function']}' {PACKAGE}"
+    return f"grep -r -A5 'def {task['function']}' {PACKAGE}"
 
 
 def fix_command(task: dict[str, Any], fix: dict[str, Any]) -> str:
-    return f"sed -i '{fix['line']}s/{fix['old']}/{fix['new']}/' {task['path']}"
+    return f"sed -i 's/{fix['old']}/{fix['new']}/' {task['path']}"
 
 
 def grep_output(task: dict[str, Any]) -> str:
@@ -469,7 +472,7 @@ def grep_output(task: dict[str, Any]) -> str:
     out = []
     for k in range(start, min(start + 6, len(lines))):
         sep = ":" if k == start else "-"
-        out.append(f"{task['path']}{sep}{k + 1}{sep}{lines[k]}")
+        out.append(f"{task['path']}{sep}{lines[k]}")
     return "\n".join(out)
 
 
@@ -513,7 +516,7 @@ def demonstrations() -> list[dict[str, Any]]:
 
 
 def validation_tasks() -> list[dict[str, Any]]:
-    return make_tasks("train", 64, seed=5)
+    return make_tasks("train", 32, seed=5)
 
 
 if __name__ == "__main__":

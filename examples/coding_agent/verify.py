@@ -57,13 +57,18 @@ async def run_tests(task: dict[str, Any], sandbox: Sandbox) -> dict[str, Any]:
     return out
 
 
+def _resolved(task: dict[str, Any], result: dict[str, Any]) -> float:
+    wanted = set(task["FAIL_TO_PASS"]) | set(task["PASS_TO_PASS"])
+    return 1.0 if not result["failed"] and set(result["passed"]) == wanted else 0.0
+
+
 async def reward(task: dict[str, Any], stdout: str, exit_code: int, sandbox: Sandbox) -> float:
-    """1.0 when the agent submitted and every FAIL_TO_PASS and PASS_TO_PASS test passes, else 0.0."""
+    """1.0 when ``coder.py`` submitted and every FAIL_TO_PASS and PASS_TO_PASS test passes, else 0.0."""
     if exit_code != 0 or not submitted(stdout):
         return 0.0
-    result = await run_tests(task, sandbox)
-    return (
-        1.0
-        if not result["failed"] and len(result["passed"]) == len(task["FAIL_TO_PASS"]) + len(task["PASS_TO_PASS"])
-        else 0.0
-    )
+    return _resolved(task, await run_tests(task, sandbox))
+
+
+async def reward_any(task: dict[str, Any], stdout: str, exit_code: int, sandbox: Sandbox) -> float:
+    """For a third-party CLI (no ``submit`` marker): the final repository decides, whatever the exit code."""
+    return _resolved(task, await run_tests(task, sandbox))

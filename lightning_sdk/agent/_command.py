@@ -309,7 +309,12 @@ class CommandAgent:
         except SandboxError as exc:  # an infrastructure failure: the attempt fails (and is retried), never reward 0
             return AttemptOutcome("failed", error=f"sandbox: {exc}")
         finally:
-            await asyncio.shield(box.close())
+            closing = asyncio.ensure_future(box.close())
+            try:
+                await asyncio.shield(closing)
+            except asyncio.CancelledError:  # cancelled (a released attempt): finish cleaning up, then propagate
+                await closing
+                raise
 
     async def _run_attempt(self, ctx: AttemptContext, timeout: float | None, box: Sandbox | None) -> AttemptOutcome:
         extra = {"LIGHTNING_SDK_ATTEMPT_ID": ctx.attempt_id, "LIGHTNING_SDK_ROLLOUT_ID": ctx.rollout_id}

@@ -42,20 +42,27 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _check_upstream(upstream: str, api_key: str | None) -> None:
-    """Fail early and clearly when the upstream is not an OpenAI-compatible server we can reach."""
+def _check_upstream(upstream: str, auth: str | None) -> None:
+    """Fail early and clearly when ``--upstream`` is not an http(s) base URL, or is up and has no ``/models``.
+
+    An upstream that is not reachable yet is fine: the proxy starts, waits for it and answers 503 meanwhile.
+    """
     import httpx
 
+    from lightning_sdk.proxy.passthrough import split_credentials
+
+    shown, _ = split_credentials(upstream)
     parsed = urlparse(upstream)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise _fail(f"--upstream {upstream!r} is not an http(s) URL (expected e.g. http://127.0.0.1:8000/v1)")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise _fail(f"--upstream {shown!r} is not an http(s) URL (expected e.g. http://127.0.0.1:8000/v1)")
+    headers = {"Authorization": auth} if auth else {}
     try:
-        r = httpx.get(upstream.rstrip("/") + "/models", headers=headers, timeout=10.0)
+        r = httpx.get(shown.rstrip("/") + "/models", headers=headers, timeout=5.0)
     except httpx.HTTPError as exc:
-        raise _fail(f"upstream {upstream} is unreachable ({type(exc).__name__}: {exc})") from None
+        typer.secho(f"upstream {shown} is not reachable yet ({type(exc).__name__}): waiting for it", err=True)
+        return
     if r.status_code == 404:
-        raise _fail(f"upstream {upstream} has no /models: is the URL the server's base URL ending in /v1?")
+        raise _fail(f"upstream {shown} has no /models: is the URL the server's base URL ending in /v1?")
     if r.status_code >= 400:
         typer.secho(f"warning: upstream GET /models answered {r.status_code}", err=True, fg=typer.colors.YELLOW)
 
@@ -109,6 +116,9 @@ def proxy(
     ] = True,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the upstream's next bytes (504 after).")] = 600.0,
     retries: Annotated[int, typer.Option(help="Retries on connection errors, 429 and 5xx (then 502).")] = 3,
+    read_timeout: Annotated[
+        float, typer.Option(help="Seconds an incomplete request (partial body) may stay silent before 408.")
+    ] = 30.0,
     tokenizer: Annotated[
         str | None,
         typer.Option(
@@ -129,11 +139,16 @@ def proxy(
 
     if max_body_bytes < 1024:
         raise _fail("--max-body-bytes must be at least 1024")
-    if retries < 0 or timeout <= 0:
-        raise _fail("--retries must be >= 0 and --timeout > 0")
-    key = upstream_api_key or os.environ.get("OPENAI_API_KEY") or None
+    if retries < 0 or timeout <= 0 or read_timeout <= 0:
+        raise _fail("--retries must be >= 0, --timeout and --read-timeout > 0")
+    from lightning_sdk.proxy.passthrough import split_credentials
+
+    shown_upstream, basic = split_credentials(upstream)
+    key = upstream_api_key or (None if basic else os.environ.get("OPENAI_API_KEY")) or None
     renderer = _load_renderer(tokenizer) if tokenizer is not None else None
-    _check_upstream(upstream, key)
+    _check_upstream(upstream, f"Bearer {key}" if key else basic)
+    if basic is not None and key is not None:
+        raise _fail("--upstream carries user:password and an upstream API key is set: give one of them")
     _check_port(host, port)
     admin = admin_key or os.environ.get(ADMIN_KEY_ENV)
     if not admin:
@@ -162,10 +177,16 @@ def proxy(
         from lightning_sdk.proxy.token_mode import RetokenizingBackend
 
         backend = RetokenizingBackend(backend, renderer)
-    config = ProxyConfig(policy_models=policy_model or None, max_body_bytes=max_body_bytes)
+    config = ProxyConfig(
+        policy_models=policy_model or None,
+        max_body_bytes=max_body_bytes,
+        call_timeout_s=timeout,
+        read_timeout_s=read_timeout,
+    )
     application = create_app(the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True)
     retok = f", retokenizing text-only replies with {tokenizer}" if renderer is not None else ""
-    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {upstream} (store: {store}){retok}")
+    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {shown_upstream} (store: {store}){retok}")
+    typer.echo("calls get 503 + Retry-After until the upstream answers (state: GET /lightning/v1/health)")
     typer.echo(
         f"open a session: POST http://{host}:{port}/lightning/v1/sessions with 'Authorization: Bearer <admin key>'"
     )

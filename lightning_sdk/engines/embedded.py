@@ -230,6 +230,11 @@ class EmbeddedEngine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + completion) the model takes: its ``max_position_embeddings``."""
+        return self._max_positions
+
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         ids: list[int] = []
         logprobs: list[float] = []

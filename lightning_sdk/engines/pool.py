@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
+from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
@@ -175,20 +176,53 @@ class RemoteEngine:
         await self._swap(load, version)
 
     async def _swap(self, load: Callable[[int], Awaitable[None]], version: int) -> None:
-        """Hold new calls, pause every server, run ``load(idx)`` on each, resume them, release the calls."""
+        """Hold new calls, pause every server, run ``load(idx)`` on each, resume them, release the calls.
+
+        A failing load raises the server's own error (``version`` is not adopted) after every server was resumed:
+        the servers keep serving the weights they had. Resuming is retried (a server may close the connection that
+        carried a failed request); a resume that still fails is added to the load error, never raised in its place.
+        """
         n = len(self.base_urls)
         async with self._update_lock:
             self._ready.clear()
             try:
-                await asyncio.gather(*(self._pause_server(i) for i in range(n)))
+                load_error: BaseException | None = None
                 try:
-                    await asyncio.gather(*(load(i) for i in range(n)))
-                    self._version = version
-                finally:
-                    await asyncio.gather(*(self._resume_server(i) for i in range(n)))
+                    await asyncio.gather(*(self._pause_server(i) for i in range(n)))
+                    results = await asyncio.gather(*(load(i) for i in range(n)), return_exceptions=True)
+                    errors = [r for r in results if isinstance(r, BaseException)]
+                    if errors:
+                        load_error = errors[0]
+                        for extra in errors[1:]:
+                            load_error.add_note(f"another server failed too: {extra}")
+                except BaseException as exc:  # a pause that failed, or a cancellation
+                    load_error = exc
+                resumed = await asyncio.gather(*(self._resume_retrying(i) for i in range(n)), return_exceptions=True)
+                resume_errors = [r for r in resumed if isinstance(r, BaseException)]
+                if load_error is not None:
+                    for err in resume_errors:
+                        load_error.add_note(f"and resuming failed: {err}")
+                    raise load_error
+                if resume_errors:
+                    raise resume_errors[0]
+                self._version = version
             finally:
                 self._ready.set()
         logger.info("policy version %d served by %d server(s)", version, n)
+
+    async def _resume_retrying(self, idx: int) -> None:
+        """``_resume_server`` with retries of transport errors (a connection the server closed after a failed
+        request); the last error is raised."""
+
+        def transient(exc: BaseException) -> bool:
+            return isinstance(exc, EngineError) and isinstance(exc.__cause__, httpx.TransportError)
+
+        await retry(
+            lambda: self._resume_server(idx),
+            policy=RetryPolicy(retries=4, backoff_s=0.2),
+            retry_if=transient,
+            what=f"resume {self.base_urls[idx]}",
+        )
 
     async def close(self) -> None:
         if self._own_client:

@@ -8,12 +8,22 @@ Wire format (vllm-project/vllm ``vllm/entrypoints/openai/completion/protocol.py`
   ``logprobs.token_logprobs`` (one per sampled token) and ``finish_reason`` (``stop``, ``length``, ``abort``).
   Streaming: ``data: {...}`` chunks whose choice carries the ``token_ids`` and ``token_logprobs`` it adds, then
   ``data: [DONE]``.
-* Weight updates use the RL endpoints that vLLM serves with ``VLLM_SERVER_DEV_MODE=1``
-  (``vllm/entrypoints/serve/dev/rlhf/api_router.py``, ``.../dev/rpc/api_router.py``): ``POST /pause?mode=keep``
-  (in-flight requests are frozen and continue after ``/resume``), ``POST /collective_rpc``
-  ``{"method": "lightning_load_weights", "args": [dir]}`` (a method of ``DiskReloadExtension`` below, installed with
-  ``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``), ``POST /reset_prefix_cache``,
-  ``POST /resume``. ``launch.launch_vllm`` starts servers that way.
+* Weight updates use the RL endpoints that vLLM serves with ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.32:
+  ``vllm/entrypoints/rl/online/api_router.py``, ``vllm/entrypoints/serve/dev/rpc/api_router.py``):
+  ``POST /pause?mode=wait|keep|abort``, ``POST /collective_rpc`` ``{"method": "lightning_load_weights", "args":
+  [dir]}`` (a method of ``vllm_extension.DiskReloadExtension``, which ``launch.launch_vllm`` installs with
+  ``--worker-extension-cls lightning_vllm_extension.DiskReloadExtension``; it answers ``{"ok": false, "error"}``
+  instead of raising, so a failed reload leaves the server up and its cause reaches the caller),
+  ``POST /reset_prefix_cache``, ``POST /resume``.
+
+Which version sampled which token: the default pause mode is ``wait`` (vLLM lets the requests in flight finish
+before it pauses; new calls are held by the client meanwhile), so no call spans an update and every sampled token
+carries the version recorded for its call. ``pause_mode="keep"`` (freeze in-flight requests, continue them on the
+new weights: no waiting, but a call then mixes two versions, and its later tokens are sampled on top of a KV cache
+the old weights computed) records the call under the version it started with, the older one, so the staleness
+bound still holds for all its tokens; the per-token log-probs are what vLLM sampled either way, which is what the
+learner's importance weight ``exp(logp_learner - logp_rollout)`` needs. ``abort`` cuts the calls off and
+``RemoteEngine`` continues them on the new weights as separate pieces (``meta["policy_versions"]``).
 
 Log-probs: launch vLLM with ``--logprobs-mode processed_logprobs`` so they are those of the distribution it sampled
 from (temperature applied), as the trainer's importance ratio needs; the default (``raw_logprobs``) ignores the
@@ -23,8 +33,7 @@ temperature.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -32,11 +41,15 @@ import orjson
 
 from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
 from lightning_sdk.engines.pool import RemoteEngine
+from lightning_sdk.engines.vllm_extension import DiskReloadExtension
 from lightning_sdk.errors import EngineError
 
 __all__ = ["DiskReloadExtension", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
+
+#: the worker extension as ``launch.launch_vllm`` installs it (``vllm_extension.py`` as a top-level module)
+VLLM_EXTENSION_CLS = "lightning_vllm_extension.DiskReloadExtension"
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -73,9 +86,13 @@ class VLLMEngine(RemoteEngine):
         policy_version: int = 0,
         timeout: float = 600.0,
         client: httpx.AsyncClient | None = None,
+        pause_mode: Literal["wait", "keep", "abort"] = "wait",
     ) -> None:
         super().__init__(base_urls, policy_version=policy_version, timeout=timeout, client=client)
         self.model = model
+        if pause_mode not in ("wait", "keep", "abort"):
+            raise EngineError(f"pause_mode {pause_mode!r} is not one of wait, keep, abort")
+        self.pause_mode = pause_mode
 
     def _body(self, input_ids: list[int], sampling: Sampling, *, stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -123,42 +140,30 @@ class VLLMEngine(RemoteEngine):
 
     # ------------------------------------------------------------------------------------------------ weights
     async def _pause_server(self, idx: int) -> None:
-        await self._post(idx, "/pause", what="vLLM pause", params={"mode": "keep"})
+        await self._post(idx, "/pause", what="vLLM pause", params={"mode": self.pause_mode})
 
     async def _resume_server(self, idx: int) -> None:
         await self._post(idx, "/resume", what="vLLM resume")
 
     async def _reload_server(self, idx: int, source: Any, version: int) -> None:
         body = {"method": "lightning_load_weights", "args": [str(source)]}
-        await self._post(idx, "/collective_rpc", what="vLLM collective_rpc(lightning_load_weights)", json=body)
+        resp = await self._post(idx, "/collective_rpc", what="vLLM collective_rpc(lightning_load_weights)", json=body)
+        results = orjson.loads(resp.content).get("results") if resp.content else None
+        if not isinstance(results, list) or not results:
+            raise EngineError(
+                f"vLLM at {self.base_urls[idx]} answered the weight reload without results ({resp.text[:300]}): "
+                f"is it started with --worker-extension-cls {VLLM_EXTENSION_CLS}?"
+            )
+        failed = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failed:
+            first = failed[0]
+            error = first.get("error") if isinstance(first, dict) else first
+            serving = first.get("serving") if isinstance(first, dict) else None
+            raise EngineError(
+                f"vLLM at {self.base_urls[idx]} did not load {source}: {error}"
+                + (f" (still serving {serving})" if serving else "")
+            )
         try:  # cached prefixes were computed by the old weights; vLLM refuses while frozen requests hold blocks
             await self._post(idx, "/reset_prefix_cache", what="vLLM reset_prefix_cache")
         except EngineError as exc:
             logger.warning("prefix cache kept after the weight update: %s", exc)
-
-
-class DiskReloadExtension:
-    """A vLLM worker extension (``--worker-extension-cls lightning_sdk.engines.vllm.DiskReloadExtension``).
-
-    vLLM mixes this class into each GPU worker; ``collective_rpc("lightning_load_weights", args=[dir])`` then runs
-    on every worker and loads the ``*.safetensors`` files of ``dir`` into the live model through the model's own
-    ``load_weights`` (which handles fused QKV / gate-up layouts and tensor-parallel sharding). Runs inside vLLM only.
-    """
-
-    model_runner: Any
-
-    def lightning_load_weights(self, path: str) -> int:
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-
-        def tensors() -> Iterator[tuple[str, Any]]:
-            from safetensors import safe_open
-
-            for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    for name in fh.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                        yield name, fh.get_tensor(name)
-
-        loaded = self.model_runner.model.load_weights(weights=tensors())
-        return len(loaded) if loaded is not None else 0

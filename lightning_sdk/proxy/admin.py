@@ -7,8 +7,12 @@ Shapes (the contract)::
                                  (``call_id``: a per-call reward; the id is the ``X-Lightning-Call-Id`` header of that
                                  call's response; 400 ``param="call_id"`` when it is not a call of this attempt)
     POST /lightning/v1/finish    {"status": "succeeded"|"failed", "error": str?}
-                                 -> {"rollout_id", "attempt_id", "status", "calls"}   (after every call is committed)
-    POST /lightning/v1/sessions  {"task": {...}?, "group": str?} -> {"rollout_id", "attempt_id", "token", "base_url"}
+                                 -> {"rollout_id", "attempt_id", "status", "calls", "calls_failed",
+                                     "calls_not_recorded", "rewards_not_recorded", "inflight": {"waited_s",
+                                     "aborted"}, "error"?}   (after every call is committed: see Proxy.end_attempt)
+    POST /lightning/v1/sessions  {"task": {...}?, "group": str?, "split": str?}
+                                 -> {"rollout_id", "attempt_id", "token", "base_url", "group", "split"}
+                                 (split ``traced`` unless split and group are given: traced, never trained)
     GET  /lightning/v1/rollouts?status=&limit=100&after=CURSOR -> {"rollouts": [{"rollout_id", "status", "group", ...}],
                                                                   "next": CURSOR|null}
     GET  /lightning/v1/rollouts/{rollout_id} -> {"rollout_id", "group", "task", "status", "attempts": [{"attempt_id",
@@ -20,9 +24,8 @@ The admin key is sent as ``Authorization: Bearer <admin key>`` (like the store's
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
+import math
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -31,13 +34,17 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lightning_sdk.errors import ConfigError, LightningSDKError
+from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.proxy.errors import ProxyHTTPError, error_response, from_sdk_error
 from lightning_sdk.types import AttemptStatus, Call, Reward, Rollout, RolloutDetail, RolloutStatus
 
 if TYPE_CHECKING:
     from lightning_sdk.proxy.app import Proxy
 
-__all__ = ["admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
+__all__ = ["TRACED_SPLIT", "admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
+
+TRACED_SPLIT = "traced"
+"""The split of a hand-opened session that names no split and group: traced (exported), never trained."""
 
 _JSON = "application/json"
 
@@ -92,8 +99,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
     """The routes; ``token_routes_only`` gives just reward and finish (mounted again under ``/t/<token>``)."""
 
     def check_admin(request: Request) -> None:
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        given = bearer_token(request.headers) or ""
         if not given or not hmac.compare_digest(given.encode(), proxy.admin_key.encode()):
             raise ProxyHTTPError(401, "missing or wrong admin key (send 'Authorization: Bearer <admin key>')")
 
@@ -133,18 +139,24 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, "name: must be a string", param="name")
         if call_id is not None and not isinstance(call_id, str):
             raise ProxyHTTPError(400, "call_id: must be a string", param="call_id")
+        if not math.isfinite(value):
+            raise ProxyHTTPError(400, "value: must be a finite number", param="value")
         state = await proxy.attempts.resolve(proxy.token_of(request))
-        a = state.attempt
-        if call_id is not None and not await state.has_call(proxy.store, call_id):
-            raise ProxyHTTPError(
-                400,
-                f"call_id: {call_id!r} is not a call of attempt {a.attempt_id} (use the X-Lightning-Call-Id header "
-                "of one of its chat/completions responses)",
-                param="call_id",
+        state.enter()  # finish waits for this reward (no await since the check in resolve)
+        try:
+            a = state.attempt
+            if call_id is not None and not await state.has_call(proxy.store, call_id):
+                raise ProxyHTTPError(
+                    400,
+                    f"call_id: {call_id!r} is not a call of attempt {a.attempt_id} (use the X-Lightning-Call-Id "
+                    "header of one of its chat/completions responses)",
+                    param="call_id",
+                )
+            await proxy.recorder.add_reward(
+                Reward(rollout_id=a.rollout_id, attempt_id=a.attempt_id, value=float(value), name=name, call_id=call_id)
             )
-        await proxy.recorder.add_reward(
-            Reward(rollout_id=a.rollout_id, attempt_id=a.attempt_id, value=float(value), name=name, call_id=call_id)
-        )
+        finally:
+            state.leave()
         out: dict[str, Any] = {
             "rollout_id": a.rollout_id,
             "attempt_id": a.attempt_id,
@@ -164,25 +176,8 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
         error = data.get("error")
         if error is not None and not isinstance(error, str):
             raise ProxyHTTPError(400, "error: must be a string", param="error")
-        token = proxy.token_of(request)
-        state = await proxy.attempts.resolve(token)
-        deadline = time.monotonic() + proxy.config.finish_timeout_s
-        while state.inflight > 0 and time.monotonic() < deadline:  # calls still being answered
-            await asyncio.sleep(0.005)
-        attempt_id = state.attempt.attempt_id
-        await proxy.recorder.flush(attempt_id, timeout=max(1.0, deadline - time.monotonic()))
-        attempt = await proxy.store.finish_attempt(attempt_id, AttemptStatus(status), error)
-        assert token is not None
-        n_calls = len(state.calls)
-        proxy.attempts.ended(token, attempt)
-        return _ok(
-            {
-                "rollout_id": attempt.rollout_id,
-                "attempt_id": attempt.attempt_id,
-                "status": attempt.status.value,
-                "calls": n_calls,
-            }
-        )
+        state = await proxy.attempts.resolve(proxy.token_of(request))
+        return _ok(await proxy.end_attempt(state, AttemptStatus(status), error))
 
     @handler
     async def sessions(request: Request) -> Response:
@@ -194,7 +189,13 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, "task: must be a JSON object", param="task")
         if group is not None and not isinstance(group, str):
             raise ProxyHTTPError(400, "group: must be a string", param="group")
-        claim = await proxy.store.open_session(task, group)
+        split = data.get("split")
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ProxyHTTPError(400, "split: must be a non-empty string", param="split")
+        if split is not None and group is None:
+            raise ProxyHTTPError(400, "split: a session joins a split only with a group (give both)", param="split")
+        # a hand-opened session is traced, not trained, unless the request names its split and group
+        claim = await proxy.store.open_session(task, group, split=split or TRACED_SPLIT)
         origin = proxy.config.public_url or f"{request.url.scheme}://{request.headers.get('host', request.url.netloc)}"
         token = claim.attempt.token
         return _ok(
@@ -204,6 +205,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
                 "token": token,
                 "base_url": f"{origin.rstrip('/')}/t/{token}/v1",
                 "group": claim.rollout.group_id,
+                "split": claim.rollout.split,
             }
         )
 

@@ -37,12 +37,14 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import Receive, Scope, Send
 
-from lightning_sdk.errors import ConfigError, LightningSDKError
+from lightning_sdk.errors import AttemptNotRunningError, ConfigError, LightningSDKError, StoreUnavailableError
+from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.proxy.admin import admin_routes
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.errors import (
     ProxyHTTPError,
+    error_event,
     error_response,
     from_sdk_error,
     validate_chat,
@@ -53,14 +55,15 @@ from lightning_sdk.proxy.recorder import Recorder
 from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
 from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES, count_tokens, handle_surface
 from lightning_sdk.store.base import Store
-from lightning_sdk.types import Call, now
+from lightning_sdk.types import Attempt, AttemptStatus, Call, now
 
-__all__ = ["CALL_ID_HEADER", "Proxy", "ProxyApp", "ProxyConfig", "create_app"]
+__all__ = ["ABORTED", "CALL_ID_HEADER", "Proxy", "ProxyApp", "ProxyConfig", "create_app"]
 
 logger = logging.getLogger(__name__)
 
 _JSON = "application/json"
 _SSE_DONE = b"data: [DONE]\n\n"
+ABORTED = "the attempt was finished while this call was running: the call was aborted"
 _TRANSPORT_KEYS = ("stream", "stream_options")  # not recorded: a streamed call records what the unstreamed one does
 
 
@@ -74,9 +77,14 @@ class ProxyConfig:
     version_ttl_s: float = 1.0  # how long the current policy version is cached
     models_ttl_s: float = 30.0
     public_url: str | None = None  # base of the URLs handed out by /sessions (default: from the request)
+    max_control_body_bytes: int = 1024 * 1024  # reward, finish, sessions, rollouts (the store routes: max_body_bytes)
+    read_timeout_s: float = 30.0  # an incomplete request body is answered 408 and closed after this much silence
     max_pending_records: int = 4096
     record_batch: int = 256
-    finish_timeout_s: float = 120.0
+    call_timeout_s: float = 600.0  # how long one call may run (the passthrough's --timeout)
+    finish_timeout_s: float | None = (
+        None  # finish waits this long for calls in flight, then aborts (None: call_timeout_s)
+    )
     cancel_on_disconnect: bool = True  # watch requests for the agent hanging up (then the upstream call is closed)
     hang_up_watch_after_s: float = 0.05  # arm that watch this far into a call (cheaper for fast calls; 0 = at once)
 
@@ -100,8 +108,10 @@ class Proxy:
         self.external = external
         self.admin_key = admin_key
         self.config = config or ProxyConfig()
-        self.attempts = AttemptCache(store, ttl_s=self.config.token_ttl_s)
         self.recorder = Recorder(store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch)
+        self.attempts = AttemptCache(
+            store, ttl_s=self.config.token_ttl_s, busy=lambda attempt_id: self.recorder.pending_for(attempt_id) > 0
+        )
         self._policy_names = frozenset(self.config.policy_models or ())
         self._version: tuple[float, int | None] = (-1e9, None)
         self._models: tuple[float, list[str]] = (-1e9, [])
@@ -123,10 +133,7 @@ class Proxy:
         path_token = request.path_params.get("token")
         if path_token:
             return str(path_token)
-        auth = request.headers.get("authorization")
-        if auth and auth[:7].lower() == "bearer ":
-            return auth[7:].strip() or None
-        return None
+        return bearer_token(request.headers)
 
     def backend_for(self, model: str) -> PolicyBackend | ExternalBackend:
         if self.external is not None and self.external.serves(model):
@@ -143,18 +150,47 @@ class Proxy:
 
     # -- LLM calls (raw ASGI: this is the hot path) -------------------------------------------------------------------
     async def handle_llm(self, scope: Scope, receive: Receive, send: Send, *, chat: bool, token: str | None) -> None:
-        """Serve one ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` request and record it."""
+        """Serve one ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` request and record it.
+
+        A call refused before its attempt is known (bad JSON, a bad field, a bad token) is not recorded; once it has
+        a ``seq`` it is recorded, with its error when it failed (a refusal is never stored as an empty success).
+        """
         started = now()
         state: AttemptState | None = None
-        ctx: CallContext | None = None
-        body: dict[str, Any] = {}
-        result: ChatResult | None = None
-        error: str | None = None
-        watch: _HangUpWatch | None = None
         try:
             raw = await self._read_json(scope, receive)
             body = validate_chat(raw) if chat else validate_completions(raw)
-            state = await self.attempts.resolve(token or _bearer(scope))
+            state = await self.attempts.resolve(token or bearer_token(scope["headers"]))
+            state.enter()  # no await since resolve's check: finish sees this call or this call sees 409
+        except ProxyHTTPError as err:
+            await _send_error(send, err)
+            return
+        except LightningSDKError as exc:
+            await _send_error(send, from_sdk_error(exc))
+            return
+        try:
+            await self._serve_call(scope, receive, send, state, body, chat=chat, started=started)
+        finally:
+            state.leave()
+
+    async def _serve_call(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        state: AttemptState,
+        body: dict[str, Any],
+        *,
+        chat: bool,
+        started: float,
+    ) -> None:
+        out = _Sent(send)
+        ctx: CallContext | None = None
+        result: ChatResult | None = None
+        error: ProxyHTTPError | None = None
+        watch: _HangUpWatch | None = None
+        task = asyncio.current_task()
+        try:
             backend = self.backend_for(body["model"])
             if not chat and isinstance(backend, ExternalBackend):
                 raise ProxyHTTPError(
@@ -170,9 +206,10 @@ class Proxy:
                 _earlier=_earlier(state, self.store, seq),
             )
             state.call_ids.add(ctx.call_id)
+            if task is not None:
+                state.tasks.add(task)
             if self.config.cancel_on_disconnect:
                 watch = _HangUpWatch(receive, self.config.hang_up_watch_after_s)
-            state.inflight += 1
             try:
                 if body.get("stream"):
                     if chat:
@@ -181,57 +218,93 @@ class Proxy:
                         assert not isinstance(backend, ExternalBackend)
                         stream = backend.completions_stream(body, ctx)
                     first = await anext(stream)  # errors before the first byte still get a proper status code
-                    result, error = await _relay(send, first, stream, ctx.call_id)
+                    result, error = await _relay(out, first, stream, ctx.call_id)
                 elif chat:
                     result = await backend.chat(body, ctx)
                 else:
                     assert not isinstance(backend, ExternalBackend)
                     result = await backend.completions(body, ctx)
             finally:
-                state.inflight -= 1
                 if watch is not None:
                     watch.close()
         except ProxyHTTPError as err:
-            await _send_error(send, err, call_id=ctx.call_id if ctx is not None else None)
+            error = err
         except UpstreamHTTPError as exc:
-            error = str(exc)
-            await _send_error(
-                send, ProxyHTTPError(exc.status_code, error), exc.payload, ctx.call_id if ctx is not None else None
-            )
+            error = ProxyHTTPError(exc.status_code, str(exc))
+            error.payload = exc.payload
         except LightningSDKError as exc:
-            error = str(exc)
-            await _send_error(send, from_sdk_error(exc), call_id=ctx.call_id if ctx is not None else None)
+            error = from_sdk_error(exc)
+        except StopAsyncIteration:
+            error = ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
+        except Exception as exc:  # a bug must not lose the call: answer 500 (if still possible) and record it
+            logger.exception("call %s failed", ctx.call_id if ctx is not None else "?")
+            error = ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
         except asyncio.CancelledError:
-            if watch is None or not watch.gone:
-                raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            error = "the agent disconnected before the reply was complete"
-        else:
-            if result is not None and not body.get("stream"):
-                payload = orjson.dumps(result.response)
-                headers = _json_headers(len(payload), ctx.call_id if ctx is not None else None)
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                await send({"type": "http.response.body", "body": payload})
-        if state is not None and ctx is not None:
-            call = self._make_call(ctx, body, result if error is None else None, chat, started)
-            if error is not None:
-                call.error = error
+            if state.closing == "aborting":
+                task.uncancel()  # type: ignore[union-attr]
+                error = ProxyHTTPError(409, ABORTED, code="attempt_finished")
+            elif watch is not None and watch.gone:
+                task.uncancel()  # type: ignore[union-attr]
+                error = ProxyHTTPError(
+                    499, "the agent disconnected before the reply was complete", kind="client_closed_request"
+                )
             else:
-                state.add_call(call)
-            await self.recorder.add_call(call)
+                raise
+        finally:
+            if task is not None:
+                state.tasks.discard(task)
+        call_id = ctx.call_id if ctx is not None else None
+        if error is None and result is not None and not body.get("stream"):
+            payload = orjson.dumps(result.response)
+            await out({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload), call_id)})
+            await out({"type": "http.response.body", "body": payload})
+        elif error is not None and not out.started and error.status != 499:
+            await _send_error(send, error, error.payload, call_id)
+        elif error is not None and out.started and not out.ended and error.status != 499:
+            await send({"type": "http.response.body", "body": error_event(error) + _SSE_DONE})
+        if ctx is not None:
+            await self._record(state, ctx, body, result if error is None else None, error, chat, started)
+
+    async def _record(
+        self,
+        state: AttemptState,
+        ctx: CallContext,
+        body: dict[str, Any],
+        result: ChatResult | None,
+        error: ProxyHTTPError | None,
+        chat: bool,
+        started: float,
+    ) -> None:
+        """Queue the call for the store (with its error when it failed; never an empty success)."""
+        try:
+            call = self._make_call(ctx, body, result, chat, started)
+        except ValueError as exc:  # the backend's result does not make a valid Call: record the failure instead
+            logger.error("call %s: could not build the record (%s); recording it as failed", ctx.call_id, exc)
+            call = self._make_call(ctx, body, None, chat, started)
+            error = ProxyHTTPError(502, f"the answer could not be recorded: {exc}")
+        if error is not None:
+            call.error = error.message
+            call.checks = {**call.checks, "http_status": error.status, "error_code": error.code or error.kind}
+            if error.param is not None:
+                call.checks["param"] = error.param
+            state.n_errors += 1
+        else:
+            state.add_call(call)
+        state.n_calls += 1
+        await self.recorder.add_call(call)
 
     async def _read_json(self, scope: Scope, receive: Receive) -> Any:
         limit = self.config.max_body_bytes
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise ProxyHTTPError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
-        message = await receive()
+        message = await _receive_within(receive, self.config.read_timeout_s)
         data: bytes = message.get("body", b"")
         if message.get("more_body"):
             parts = [data]
             size = len(data)
             while message.get("more_body"):
-                message = await receive()
+                message = await _receive_within(receive, self.config.read_timeout_s)
                 if message["type"] == "http.disconnect":
                     raise ProxyHTTPError(400, "body: the client went away while sending it", param="body")
                 chunk = message.get("body", b"")
@@ -292,6 +365,75 @@ class Proxy:
             checks=result.checks,
         )
 
+    # -- the finish barrier ----------------------------------------------------------------------------------------
+    async def end_attempt(self, state: AttemptState, status: AttemptStatus, error: str | None) -> dict[str, Any]:
+        """End the attempt behind ``state`` once every call and reward of it is committed (the barrier).
+
+        New requests get 409 from the moment this starts. Calls in flight are waited for up to ``finish_timeout_s``
+        (default: as long as a call may run); calls still running then are aborted (their upstream requests
+        closed) and recorded as failed with ``ABORTED``. A call or reward that could not be recorded turns a
+        ``succeeded`` into ``failed`` (it is never trained silently). Answers what happened.
+        """
+        if state.closing is not None:
+            raise AttemptNotRunningError(f"attempt {state.attempt.attempt_id} is {state.closing}, no longer running")
+        attempt_id = state.attempt.attempt_id
+        state.closing = "finishing"
+        t0 = time.monotonic()
+        wait_s = self.config.finish_timeout_s
+        if wait_s is None:
+            wait_s = self.config.call_timeout_s
+        aborted = 0
+        try:
+            try:
+                await asyncio.wait_for(state.idle.wait(), wait_s)
+            except TimeoutError:
+                aborted = len(state.tasks)
+                state.closing = "aborting"
+                for task in list(state.tasks):
+                    task.cancel()
+                await asyncio.wait_for(state.idle.wait(), 30.0)
+            failures = await self.recorder.commit(attempt_id, timeout=max(30.0, wait_s))
+        except BaseException:
+            state.closing = None  # nothing was ended: the agent may retry finish
+            raise
+        final, why = status, error
+        if failures and status is AttemptStatus.SUCCEEDED:
+            final = AttemptStatus.FAILED
+            why = f"{len(failures)} calls/rewards of this attempt could not be recorded: {failures[0]}"
+            logger.error("attempt %s: finished as failed: %s", attempt_id, why)
+        try:
+            attempt = await self.store.finish_attempt(attempt_id, final, why)
+        except (StoreUnavailableError, asyncio.CancelledError):
+            state.closing = None
+            raise
+        except BaseException:
+            state.closing = "ended"
+            raise
+        self.attempts.ended(state.attempt.token, attempt)
+        lost_calls = sum(1 for f in failures if f.startswith("call "))
+        return {
+            "rollout_id": attempt.rollout_id,
+            "attempt_id": attempt.attempt_id,
+            "status": attempt.status.value,
+            "calls": state.n_calls - lost_calls,
+            "calls_failed": state.n_errors,
+            "calls_not_recorded": lost_calls,
+            "rewards_not_recorded": len(failures) - lost_calls,
+            "inflight": {"waited_s": round(time.monotonic() - t0, 3), "aborted": aborted},
+            **({"error": why} if why != error else {}),
+        }
+
+    async def finish_by_id(self, attempt_id: str, status: AttemptStatus, error: str | None) -> Attempt:
+        """A store-side finish (admin store route) through the same barrier when this proxy serves the attempt."""
+        state = self.attempts.state_of(attempt_id)
+        if state is None or state.closing is not None:
+            attempt = await self.store.finish_attempt(attempt_id, status, error)
+            if state is not None:
+                self.attempts.ended(state.attempt.token, attempt)
+            return attempt
+        await self.end_attempt(state, status, error)
+        return state.attempt
+
     # -- models and health -----------------------------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
         at, names = self._models
@@ -310,13 +452,33 @@ class Proxy:
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "lightning-sdk"} for n in names]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type=_JSON)
 
+    async def get_model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}`` (the OpenAI SDK's ``models.retrieve``): 404 for a model not served here."""
+        model_id = request.path_params["model_id"]
+        listed = await self.list_models(request)
+        if listed.status_code != 200:
+            return listed
+        for entry in orjson.loads(listed.body)["data"]:
+            if entry["id"] == model_id:
+                return Response(orjson.dumps(entry), media_type=_JSON)
+        return error_response(
+            ProxyHTTPError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
+        )
+
     async def health(self, request: Request) -> Response:
-        return Response(orjson.dumps({"status": "ok", "pending_records": self.recorder.pending}), media_type=_JSON)
+        info: dict[str, Any] = {"status": "ok", "pending_records": self.recorder.pending}
+        upstream = getattr(self.backend, "upstream_state", None)
+        if callable(upstream):
+            info["upstream"] = upstream()
+        return Response(orjson.dumps(info), media_type=_JSON)
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.recorder.start()
+        start = getattr(self.backend, "start", None)
+        if callable(start):
+            await start()  # e.g. the passthrough's watch for an upstream that is not up yet
         try:
             yield
         finally:
@@ -353,20 +515,10 @@ def _json_headers(length: int, call_id: str | None = None) -> list[tuple[bytes, 
     return headers
 
 
-def _bearer(scope: Scope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            text = value.decode("latin-1")
-            if text[:7].lower() == "bearer ":
-                return text[7:].strip() or None
-            return None
-    return None
-
-
 async def _send_error(
     send: Send, err: ProxyHTTPError, payload: dict[str, Any] | None = None, call_id: str | None = None
 ) -> None:
-    response = error_response(err, payload)
+    response = error_response(err, payload or err.payload)
     headers = response.raw_headers
     if call_id is not None:
         headers = [*headers, (CALL_ID_HEADER, call_id.encode())]
@@ -420,8 +572,11 @@ class _HangUpWatch:
 
 async def _relay(
     send: Send, first: StreamItem, stream: AsyncIterator[StreamItem], call_id: str
-) -> tuple[ChatResult | None, str | None]:
-    """Send a backend's stream as server-sent events; returns its ``ChatResult`` or the error that cut it off."""
+) -> tuple[ChatResult | None, ProxyHTTPError | None]:
+    """Send a backend's stream as server-sent events; returns its ``ChatResult`` or the error that cut it off.
+
+    On an error the caller ends the stream with an error event and ``[DONE]`` (the response has started).
+    """
     headers = [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     result: ChatResult | None = None
@@ -435,14 +590,38 @@ async def _relay(
                 await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
             item = await anext(stream, None)
     except LightningSDKError as exc:
-        err = from_sdk_error(exc)
-        event = orjson.dumps({"error": {"message": err.message, "type": err.kind, "param": None, "code": err.code}})
-        await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n" + _SSE_DONE})
-        return None, str(exc)
-    await send({"type": "http.response.body", "body": _SSE_DONE})
+        return None, from_sdk_error(exc)
     if result is None:
-        return None, "the stream ended without a result"
+        return None, ProxyHTTPError(502, "the stream ended without a result", kind="upstream_error")
+    await send({"type": "http.response.body", "body": _SSE_DONE})
     return result, None
+
+
+class _Sent:
+    """A ``send`` that remembers whether the response has started and ended (to finish a cut stream properly)."""
+
+    __slots__ = ("_send", "ended", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.ended = False
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body"):
+            self.ended = True
+        await self._send(message)
+
+
+async def _receive_within(receive: Receive, timeout_s: float) -> Any:
+    """The next ASGI message of the request body; 408 when the client sends nothing for ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):  # a timer, not a task per call (this is the hot path)
+            return await receive()
+    except TimeoutError:
+        raise ProxyHTTPError(408, f"body: incomplete request, nothing received for {timeout_s:g}s") from None
 
 
 class _LLMEndpoint:
@@ -488,7 +667,57 @@ class ProxyApp:
                 return await handle_surface(self.proxy, surface, scope, receive, send, token or None)
             if path == COUNT_TOKENS_PATH:
                 return await count_tokens(self.proxy, scope, receive, send, token or None)
+        if scope["type"] == "http":
+            replay = await self._read_body(scope, receive, send)
+            if replay is None:
+                return
+            receive = replay
         await self.starlette(scope, receive, send)
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """Read a request body within its route's limit and the read timeout, before any handler (or auth) runs.
+
+        ``/lightning/v1/*`` control routes (reward, finish, sessions, rollouts) take ``max_control_body_bytes``,
+        everything else (the store routes, other API surfaces) ``max_body_bytes``. Over the limit: 413 (by
+        ``Content-Length`` before reading anything); silent for ``read_timeout_s``: 408; the client gone: nothing.
+        Returns a ``receive`` that replays the body, or None when the request was answered here.
+        """
+        config = self.proxy.config
+        path: str = scope["path"]
+        control = "/lightning/v1/" in path and "/lightning/v1/store/" not in path
+        limit = config.max_control_body_bytes if control else config.max_body_bytes
+        try:
+            for name, value in scope["headers"]:
+                if name == b"content-length" and value.isdigit() and int(value) > limit:
+                    raise ProxyHTTPError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+            parts: list[bytes] = []
+            size = 0
+            while True:
+                message = await _receive_within(receive, config.read_timeout_s)
+                if message["type"] == "http.disconnect":
+                    logger.debug("%s %s: the client hung up while sending the body", scope["method"], path)
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise ProxyHTTPError(413, f"request body is over the limit of {limit} bytes")
+                parts.append(chunk)
+                if not message.get("more_body"):
+                    break
+        except ProxyHTTPError as err:
+            await _send_error(send, err)
+            return None
+        body = b"".join(parts)
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
 
 
 def create_app(
@@ -517,6 +746,7 @@ def create_app(
         Route("/v1/chat/completions", _LLMEndpoint(proxy, chat=True), methods=["POST"]),
         Route("/v1/completions", _LLMEndpoint(proxy, chat=False), methods=["POST"]),
         Route("/v1/models", proxy.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", proxy.get_model, methods=["GET"]),
     ]
     routes: list[BaseRoute] = [
         *llm,
@@ -528,7 +758,9 @@ def create_app(
     if mount_store:
         from lightning_sdk.store.http_server import store_routes
 
-        routes.append(Mount("/lightning/v1/store", routes=store_routes(store, admin_key)))
+        routes.append(
+            Mount("/lightning/v1/store", routes=store_routes(store, admin_key, finish_attempt=proxy.finish_by_id))
+        )
     app = Starlette(routes=routes, lifespan=proxy.lifespan, exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.proxy = proxy
     return ProxyApp(proxy, app)

@@ -5,6 +5,14 @@ expiry without the proxy knowing, so entries are re-read after that; ``finish`` 
 entry at once). Each entry also keeps the attempt's call order (``seq``) and the calls finished in this process,
 which the token-in/token-out backend reads to reuse the ids of earlier calls. The first call of an attempt loads
 the calls the store already has (a restarted proxy continues the numbering).
+
+The barrier of ``finish`` rests on three rules kept here:
+
+* a request is counted in flight (``enter``) in the same step as the check that its attempt is running, with no
+  ``await`` in between, so ``finish`` either sees it in flight or it sees the attempt closed;
+* ``close`` is sticky: once an attempt is finishing or ended, a stale store read never reopens it;
+* an entry is never evicted while it is busy (requests in flight, or records the recorder has not committed), so
+  its call counter and in-flight count survive any number of running attempts and ``seq`` stays unique.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import asyncio
 import bisect
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from lightning_sdk.errors import AttemptNotRunningError, AuthError
 from lightning_sdk.store.base import Store
@@ -24,7 +33,21 @@ __all__ = ["AttemptCache", "AttemptState"]
 class AttemptState:
     """What the proxy keeps per attempt while it is running."""
 
-    __slots__ = ("_load_lock", "attempt", "call_ids", "calls", "checked_at", "inflight", "loaded", "next_seq")
+    __slots__ = (
+        "_inflight",
+        "_load_lock",
+        "attempt",
+        "call_ids",
+        "calls",
+        "checked_at",
+        "closing",
+        "idle",
+        "loaded",
+        "n_calls",
+        "n_errors",
+        "next_seq",
+        "tasks",
+    )
 
     def __init__(self, attempt: Attempt, checked_at: float) -> None:
         self.attempt = attempt
@@ -33,8 +56,38 @@ class AttemptState:
         self.calls: list[Call] = []  # finished calls of this attempt, in seq order
         self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
         self.loaded = False
-        self.inflight = 0  # calls being served right now (finish waits for them)
+        self._inflight = 0  # requests (calls, rewards) being served right now (finish waits for them)
+        self.closing: str | None = None  # why no new request is accepted (finishing / ended), sticky
+        self.tasks: set[asyncio.Task[object]] = set()  # the tasks serving LLM calls now (finish may abort them)
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.n_calls = 0  # calls handed to the recorder in this process (failed ones included)
+        self.n_errors = 0  # of which recorded with an error
         self._load_lock = asyncio.Lock()
+
+    @property
+    def inflight(self) -> int:
+        """Requests (calls, rewards) of this attempt being served now; ``idle`` is set when there are none."""
+        return self._inflight
+
+    @inflight.setter
+    def inflight(self, value: int) -> None:
+        self._inflight = max(0, value)
+        if self._inflight:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def enter(self) -> None:
+        """Count a request in flight; raises ``AttemptNotRunningError`` when the attempt is closed (no await here)."""
+        if self.closing is not None or self.attempt.status is not AttemptStatus.RUNNING:
+            raise AttemptNotRunningError(
+                f"attempt {self.attempt.attempt_id} is {self.closing or self.attempt.status.value}, no longer running"
+            )
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
 
     async def take_seq(self, store: Store) -> int:
         """The ``seq`` of a new call (continuing what the store has, the first time)."""
@@ -77,45 +130,92 @@ class AttemptState:
 
 
 class AttemptCache:
-    """Resolve attempt tokens (401 unknown, 409 not running) with a short-lived cache."""
+    """Resolve attempt tokens (401 unknown, 409 not running) with a short-lived cache (see the module docstring).
 
-    def __init__(self, store: Store, *, ttl_s: float = 2.0, max_entries: int = 4096) -> None:
+    ``busy(attempt_id)`` says whether records of that attempt are still waiting to be committed (the recorder's
+    count); such an entry is kept even when the cache is over ``max_entries``.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ttl_s: float = 2.0,
+        max_entries: int = 4096,
+        busy: Callable[[str], bool] | None = None,
+    ) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self._busy = busy or (lambda attempt_id: False)
         self._by_token: OrderedDict[str, AttemptState] = OrderedDict()
+        self._by_attempt: dict[str, str] = {}  # attempt id -> token (for a store-side finish)
+
+    def __len__(self) -> int:
+        return len(self._by_token)
 
     async def resolve(self, token: str | None) -> AttemptState:
-        """The running attempt that owns ``token``; raises ``AuthError`` / ``AttemptNotRunningError``."""
+        """The running attempt that owns ``token``; raises ``AuthError`` / ``AttemptNotRunningError``.
+
+        Callers that serve a request call ``state.enter()`` right after (no await between: see the module
+        docstring) and ``state.leave()`` when done.
+        """
         if not token:
             raise AuthError("missing attempt token: send 'Authorization: Bearer <attempt token>' or use /t/<token>/v1")
         now = time.monotonic()
         state = self._by_token.get(token)
-        if state is None or now - state.checked_at > self.ttl_s:
+        if state is None or (state.closing is None and now - state.checked_at > self.ttl_s):
             attempt = await self.store.attempt_by_token(token)
+            state = self._by_token.get(token)  # another request may have filled the entry meanwhile: share it
             if attempt is None:
-                self._by_token.pop(token, None)
+                if state is None or state.inflight == 0:
+                    self._drop(token)
                 raise AuthError("unknown attempt token")
             if state is None or state.attempt.attempt_id != attempt.attempt_id:
                 state = AttemptState(attempt, now)
                 self._by_token[token] = state
-                if len(self._by_token) > self.max_entries:
-                    self._by_token.popitem(last=False)
-            else:
+                self._by_attempt[attempt.attempt_id] = token
+                self._evict()
+            elif state.closing is None:  # a closed entry stays closed (the read may predate the finish)
                 state.attempt = attempt
                 state.checked_at = now
             self._by_token.move_to_end(token)
-        if state.attempt.status is not AttemptStatus.RUNNING:
+        if state.closing is not None or state.attempt.status is not AttemptStatus.RUNNING:
             raise AttemptNotRunningError(
-                f"attempt {state.attempt.attempt_id} is {state.attempt.status.value}, no longer running"
+                f"attempt {state.attempt.attempt_id} is {state.closing or state.attempt.status.value}, "
+                "no longer running"
             )
         return state
+
+    def state_of(self, attempt_id: str) -> AttemptState | None:
+        """The cached entry of ``attempt_id`` (None when it is not cached)."""
+        token = self._by_attempt.get(attempt_id)
+        return self._by_token.get(token) if token is not None else None
 
     def ended(self, token: str, attempt: Attempt) -> None:
         """Record that the attempt behind ``token`` ended (its calls are no longer accepted)."""
         state = self._by_token.get(token)
         if state is not None:
             state.attempt = attempt
+            state.closing = attempt.status.value
             state.calls = []  # no later call can extend them
             state.call_ids = set()
             state.checked_at = time.monotonic()
+
+    def _drop(self, token: str) -> None:
+        state = self._by_token.pop(token, None)
+        if state is not None and self._by_attempt.get(state.attempt.attempt_id) == token:
+            del self._by_attempt[state.attempt.attempt_id]
+
+    def _evict(self) -> None:
+        """Drop least recently used idle entries while over ``max_entries`` (busy ones are kept and moved on)."""
+        over = len(self._by_token) - self.max_entries
+        checked = 0
+        while over > 0 and checked < len(self._by_token):
+            token, state = next(iter(self._by_token.items()))
+            checked += 1
+            if state.inflight > 0 or state.tasks or self._busy(state.attempt.attempt_id):
+                self._by_token.move_to_end(token)  # in flight or not yet committed: never evicted
+                continue
+            self._drop(token)
+            over -= 1

@@ -16,10 +16,15 @@ vLLM/SGLang abort the generation.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import orjson
 
@@ -31,12 +36,13 @@ from lightning_sdk.proxy.shapes import (
     ChatStreamAssembler,
     CompletionStreamAssembler,
     EngineTokens,
+    MalformedAnswer,
     chat_tokens,
     completion_tokens,
     strip_engine_fields,
 )
 
-__all__ = ["PassthroughBackend", "PassthroughConfig"]
+__all__ = ["PassthroughBackend", "PassthroughConfig", "UpstreamNotReady", "split_credentials"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,14 +67,43 @@ class PassthroughConfig:
     max_connections: int = 1024  # idle keep-alive connections kept open
 
 
+class UpstreamNotReady(UpstreamError):
+    """The upstream has not answered yet since the proxy started (503 with ``Retry-After``)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message, status_code=503)
+        self.retry_after_s = retry_after_s
+
+
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``user:password@`` part, and the ``Authorization: Basic`` value it carried (or None)."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    clean = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    user, password = unquote(parts.username or ""), unquote(parts.password or "")
+    return clean, "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
 class PassthroughBackend:
-    """A ``PolicyBackend`` that forwards to one OpenAI-compatible engine (see the module docstring)."""
+    """A ``PolicyBackend`` that forwards to one OpenAI-compatible engine (see the module docstring).
+
+    Credentials in the upstream URL (``http://user:pass@host/v1``) are sent as basic auth and never appear in
+    messages, logs or recorded errors (``base`` is the URL without them). ``start()`` (called by the proxy app
+    when it starts) watches for an upstream that is not up yet: until it answers, calls get 503 with
+    ``Retry-After`` and ``upstream_state()`` (in ``/lightning/v1/health``) says ``waiting``.
+    """
 
     def __init__(self, config: PassthroughConfig | str, **overrides: Any) -> None:
         if isinstance(config, str):
             config = PassthroughConfig(upstream=config, **overrides)
         self.config = config
-        self.base = config.upstream.rstrip("/")
+        clean, basic = split_credentials(config.upstream)
+        self.base = clean.rstrip("/")
         self._pool = Http1Pool(
             self.base,
             connect_timeout=config.connect_timeout_s,
@@ -78,30 +113,94 @@ class PassthroughBackend:
         headers = {"Content-Type": "application/json"}
         if config.api_key:
             headers["Authorization"] = f"Bearer {config.api_key}"
+        elif basic is not None:
+            headers["Authorization"] = basic
         self._headers = headers
         self._retry = RetryPolicy(config.max_retries, config.backoff_s, config.backoff_max_s)
+        self._state = "ready"  # not watched (no start()): assume it is up and let each call find out
+        self._last_error: str | None = None
+        self._since = time.time()
+        self._watch: asyncio.Task[None] | None = None
+        self._next_probe_s = 0.0
+        self._probed_at = 0.0
+
+    # -- the upstream's state ------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Watch the upstream until it answers ``GET /models`` (backoff 0.2 s doubling to 5 s)."""
+        if self._watch is None and not await self._probe():
+            self._state = "waiting"
+            self._watch = asyncio.get_running_loop().create_task(self._wait_for_upstream())
+
+    def upstream_state(self) -> dict[str, Any]:
+        """``{"url", "state": "waiting"|"ready", "since", "last_error"}`` (no credentials)."""
+        return {"url": self.base, "state": self._state, "since": self._since, "last_error": self._last_error}
+
+    async def _probe(self) -> bool:
+        """One ``GET /models``: True (and state ``ready``) when the upstream answers below 500."""
+        try:
+            status, _ = await self._pool.request("GET", "/models", b"", self._headers)
+        except Http1Error as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            if status < 500:
+                self._state, self._since, self._last_error = "ready", time.time(), None
+                logger.info("upstream %s is up (GET /models answered %d)", self.base, status)
+                return True
+            error = f"GET /models answered {status}"
+        if self._last_error is None:
+            logger.warning("upstream %s is not reachable yet (%s); waiting for it", self.base, error)
+        self._last_error = error
+        return False
+
+    async def _wait_for_upstream(self) -> None:
+        delay = 0.2
+        while True:
+            self._next_probe_s = delay
+            await asyncio.sleep(delay)
+            if await self._probe():
+                return
+            delay = min(delay * 2, 5.0)
+
+    async def _check_ready(self) -> None:
+        """Raise ``UpstreamNotReady`` while the upstream has never answered (a call probes it once itself)."""
+        if self._state == "ready":
+            return
+        if time.monotonic() - self._probed_at > 0.1:  # do not wait for the watch's backoff: look now
+            self._probed_at = time.monotonic()
+            if await self._probe():
+                return
+        if self._state != "ready":
+            raise UpstreamNotReady(
+                f"upstream {self.base} is not reachable yet ({self._last_error or 'starting'}): retry later",
+                retry_after_s=max(1.0, self._next_probe_s),
+            )
 
     # -- the PolicyBackend interface -----------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        await self._check_ready()
         data = await self._post_json("/chat/completions", self._upstream_body(body, stream=False))
-        return self._result(body, data, chat_tokens(data), ctx)
+        return self._result(body, data, _read(chat_tokens, data), ctx)
 
     async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        await self._check_ready()
         data = await self._post_json("/completions", self._upstream_body(body, stream=False))
-        return self._result(body, data, completion_tokens(data), ctx)
+        return self._result(body, data, _read(completion_tokens, data), ctx)
 
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        await self._check_ready()
         asm = ChatStreamAssembler()
         async for item in self._stream("/chat/completions", body, asm):
             yield item
-        yield self._result(body, asm.response(), chat_tokens(asm.response()), ctx)
+        full = asm.response()
+        yield self._result(body, full, _read(chat_tokens, full), ctx)
 
     async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        await self._check_ready()
         asm = CompletionStreamAssembler()
         async for item in self._stream("/completions", body, asm):
             yield item
         full = asm.response()
-        yield self._result(body, full, completion_tokens(full), ctx)
+        yield self._result(body, full, _read(completion_tokens, full), ctx)
 
     async def models(self) -> list[str]:
         if self.config.model:
@@ -116,6 +215,10 @@ class PassthroughBackend:
         return [str(m["id"]) for m in data.get("data") or ()]
 
     async def aclose(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         await self._pool.aclose()
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -154,9 +257,13 @@ class PassthroughBackend:
 
         raw = await self._retrying(path, once)
         try:
-            data: dict[str, Any] = orjson.loads(raw)
+            data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise UpstreamError(f"upstream sent invalid JSON: {raw[:200]!r}", status_code=502) from exc
+        if not isinstance(data, dict):
+            raise UpstreamError(
+                f"upstream answer is malformed: expected a JSON object, got {type(data).__name__}", status_code=502
+            )
         return data
 
     async def _retrying(self, path: str, once: Callable[[], Awaitable[T]]) -> T:
@@ -199,21 +306,42 @@ class PassthroughBackend:
         keep_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = await self._open(path, self._upstream_body(body, stream=True))
         done = False
+        events = 0
         try:
+            ctype = next((v for k, v in resp.headers if k == b"content-type"), b"")
+            if ctype and not ctype.lower().startswith(b"text/event-stream"):
+                raise UpstreamError(
+                    f"upstream answered a stream request with {ctype.decode(errors='replace')!r}, "
+                    "not a server-sent-event stream",
+                    status_code=502,
+                )
             async for payload in _sse_payloads(resp.iter_bytes()):
                 if done or payload == b"[DONE]":  # read on to the end of the reply: the connection is reused
                     done = True
                     continue
+                events += 1
                 chunk = orjson.loads(payload)
+                if not isinstance(chunk, dict):
+                    raise UpstreamError(
+                        f"upstream stream chunk is malformed: expected a JSON object, got {type(chunk).__name__}",
+                        status_code=502,
+                    )
                 if "error" in chunk and not chunk.get("choices"):
                     raise UpstreamError(f"upstream stream error: {chunk['error']}", status_code=502)
-                asm.feed(chunk)
+                try:
+                    asm.feed(chunk)
+                except (AttributeError, TypeError, KeyError, ValueError) as exc:
+                    raise UpstreamError(
+                        f"upstream stream chunk is malformed: {type(exc).__name__}: {exc}", status_code=502
+                    ) from exc
                 if not chunk.get("choices") and chunk.get("usage") is not None and not keep_usage:
                     continue
                 if strip_engine_fields(chunk, keep_ids=keep_ids, keep_logprobs=keep_lps):
                     yield chunk
                 else:
                     yield payload
+            if events == 0:
+                raise UpstreamError("upstream answered 200 without a single server-sent event", status_code=502)
         except Http1ReadTimeout as exc:
             raise UpstreamError(f"upstream stalled for {self.config.timeout_s}s mid-stream", status_code=504) from exc
         except (Http1Error, orjson.JSONDecodeError) as exc:
@@ -250,6 +378,14 @@ class PassthroughBackend:
             usage={k: v for k, v in usage.items() if isinstance(v, int)},
             checks=checks,
         )
+
+
+def _read(read: Callable[[dict[str, Any]], EngineTokens], data: dict[str, Any]) -> EngineTokens:
+    """The engine's ids and log-probs; a malformed answer is a 502 (the call is recorded with this error)."""
+    try:
+        return read(data)
+    except MalformedAnswer as exc:
+        raise UpstreamError(f"upstream answer is malformed: {exc}", status_code=502) from exc
 
 
 def _retryable(exc: BaseException) -> bool:

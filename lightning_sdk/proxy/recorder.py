@@ -124,6 +124,12 @@ class Recorder:
 
     async def flush(self, attempt_id: str, timeout: float = 60.0) -> None:
         """Wait until everything queued for ``attempt_id`` is committed; raise ``StoreError`` if some was lost."""
+        errors = await self.commit(attempt_id, timeout)
+        if errors:
+            raise StoreError(f"attempt {attempt_id}: {len(errors)} calls/rewards could not be recorded: {errors[0]}")
+
+    async def commit(self, attempt_id: str, timeout: float = 60.0) -> list[str]:
+        """Like ``flush``, but return what could not be recorded (``"call ID: why"`` / ``"reward NAME: why"``)."""
         target = self._queued.get(attempt_id, 0)
         try:
             await asyncio.wait_for(self._wait_for(attempt_id, target), timeout)
@@ -132,9 +138,11 @@ class Recorder:
         if self._done.get(attempt_id, 0) >= self._queued.get(attempt_id, 0):
             self._queued.pop(attempt_id, None)
             self._done.pop(attempt_id, None)
-        errors = self._failed.pop(attempt_id, None)
-        if errors:
-            raise StoreError(f"attempt {attempt_id}: {len(errors)} calls/rewards could not be recorded: {errors[0]}")
+        return self._failed.pop(attempt_id, None) or []
+
+    def pending_for(self, attempt_id: str) -> int:
+        """Items of ``attempt_id`` queued and not yet written."""
+        return self._queued.get(attempt_id, 0) - self._done.get(attempt_id, 0)
 
     def _reached(self, attempt_id: str | None, target: int) -> bool:
         done = self._n_done if attempt_id is None else self._done.get(attempt_id, 0)

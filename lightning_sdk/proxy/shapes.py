@@ -13,14 +13,17 @@ completions carry both on the choice. Log-probs: ``choices[].logprobs.content[].
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "ENGINE_KEYS",
+    "MAX_TOKEN_ID",
     "ChatStreamAssembler",
     "CompletionStreamAssembler",
     "EngineTokens",
+    "MalformedAnswer",
     "canonical_chat",
     "canonical_completion",
     "chat_tokens",
@@ -42,35 +45,101 @@ class EngineTokens:
     n_choices: int
 
 
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id accepted from an engine (vocabularies are far smaller; ids beyond are a broken answer)."""
+
+
+class MalformedAnswer(ValueError):
+    """An engine answer of the wrong shape (the proxy answers 502 and records the call with this message)."""
+
+
+def _ids(value: Any, where: str) -> list[int] | None:
+    """``value`` checked as a list of token ids (C-level passes: this runs on every call's ids)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise MalformedAnswer(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID):
+        bad = next((i, t) for i, t in enumerate(value) if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID)
+        raise MalformedAnswer(f"{where}[{bad[0]}]: {bad[1]!r} is not a token id (an integer in [0, 2^31))")
+    return value
+
+
+def _logprobs(values: list[Any], where: str) -> list[float]:
+    """``values`` checked as log-probabilities (finite numbers <= 0), as floats."""
+    if values and (
+        not set(map(type, values)) <= {float, int} or not all(map(math.isfinite, values)) or max(values) > 0
+    ):
+        i, v = next(
+            (i, v) for i, v in enumerate(values) if type(v) not in (float, int) or not math.isfinite(v) or v > 0
+        )
+        raise MalformedAnswer(f"{where}[{i}]: {v!r} is not a log-probability (a finite number <= 0)")
+    return [float(v) for v in values]
+
+
+def _first_choice(resp: Any) -> tuple[dict[str, Any], int]:
+    if not isinstance(resp, dict):
+        raise MalformedAnswer(f"expected a JSON object, got {type(resp).__name__}")
+    choices = resp.get("choices")
+    if choices is None:
+        choices = []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MalformedAnswer("choices: expected a list of objects")
+    return (choices[0] if choices else {}), len(choices)
+
+
 def chat_tokens(resp: dict[str, Any]) -> EngineTokens:
-    """Token ids and log-probs of choice 0 of a ``chat.completion`` (as sent by the engine, before stripping)."""
-    choices = resp.get("choices") or []
-    first: dict[str, Any] = choices[0] if choices else {}
+    """Token ids and log-probs of choice 0 of a ``chat.completion`` (as sent by the engine, before stripping).
+
+    Raises ``MalformedAnswer`` when the answer has the wrong shape (choices, message, ids, log-probs).
+    """
+    first, n = _first_choice(resp)
+    message = first.get("message")
+    if message is not None and not isinstance(message, dict):
+        raise MalformedAnswer("choices[0].message: expected an object")
     lp = first.get("logprobs") or {}
-    content = lp.get("content") if isinstance(lp, dict) else None
-    logprobs = [float(t["logprob"]) for t in content] if content is not None else None
+    if not isinstance(lp, dict):
+        raise MalformedAnswer("choices[0].logprobs: expected an object")
+    content = lp.get("content")
+    if content is not None and (not isinstance(content, list) or not all(isinstance(t, dict) for t in content)):
+        raise MalformedAnswer("choices[0].logprobs.content: expected a list of objects")
+    logprobs = None
+    if content is not None:
+        logprobs = _logprobs([t.get("logprob") for t in content], "choices[0].logprobs.content[].logprob")
     return EngineTokens(
-        prompt_ids=resp.get("prompt_token_ids"),
-        completion_ids=first.get("token_ids"),
+        prompt_ids=_ids(resp.get("prompt_token_ids"), "prompt_token_ids"),
+        completion_ids=_ids(first.get("token_ids"), "choices[0].token_ids"),
         logprobs=logprobs,
-        finish_reason=first.get("finish_reason"),
-        n_choices=len(choices),
+        finish_reason=_finish(first),
+        n_choices=n,
     )
 
 
 def completion_tokens(resp: dict[str, Any]) -> EngineTokens:
-    """Token ids and log-probs of choice 0 of a ``text_completion``."""
-    choices = resp.get("choices") or []
-    first: dict[str, Any] = choices[0] if choices else {}
+    """Token ids and log-probs of choice 0 of a ``text_completion`` (``MalformedAnswer`` on a wrong shape)."""
+    first, n = _first_choice(resp)
     lp = first.get("logprobs") or {}
-    token_lps = lp.get("token_logprobs") if isinstance(lp, dict) else None
+    if not isinstance(lp, dict):
+        raise MalformedAnswer("choices[0].logprobs: expected an object")
+    token_lps = lp.get("token_logprobs")
+    if token_lps is not None and not isinstance(token_lps, list):
+        raise MalformedAnswer("choices[0].logprobs.token_logprobs: expected a list")
+    where = "choices[0].logprobs.token_logprobs"
+    prompt = first.get("prompt_token_ids", resp.get("prompt_token_ids"))
     return EngineTokens(
-        prompt_ids=first.get("prompt_token_ids", resp.get("prompt_token_ids")),
-        completion_ids=first.get("token_ids"),
-        logprobs=[float(x) for x in token_lps] if token_lps is not None else None,
-        finish_reason=first.get("finish_reason"),
-        n_choices=len(choices),
+        prompt_ids=_ids(prompt, "choices[0].prompt_token_ids"),
+        completion_ids=_ids(first.get("token_ids"), "choices[0].token_ids"),
+        logprobs=_logprobs(token_lps, where) if token_lps is not None else None,
+        finish_reason=_finish(first),
+        n_choices=n,
     )
+
+
+def _finish(choice: dict[str, Any]) -> str | None:
+    reason = choice.get("finish_reason")
+    if reason is not None and not isinstance(reason, str):
+        raise MalformedAnswer("choices[0].finish_reason: expected a string or null")
+    return reason
 
 
 def strip_engine_fields(obj: dict[str, Any], *, keep_ids: bool, keep_logprobs: bool) -> bool:

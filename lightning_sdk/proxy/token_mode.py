@@ -29,11 +29,12 @@ from pydantic import ValidationError
 from lightning_sdk.engines.base import Engine, Generation, Sampling
 from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
 from lightning_sdk.tokens import (
     ChatRenderer,
     HistoryPolicy,
     OutputParser,
+    ParsedReply,
     PriorCall,
     RenderedPrompt,
     get_parser,
@@ -43,7 +44,15 @@ from lightning_sdk.tokens import (
     retokenize_text,
 )
 
-__all__ = ["RetokenizingBackend", "TokenModeBackend", "TokenModeConfig"]
+__all__ = [
+    "RetokenizingBackend",
+    "TokenModeBackend",
+    "TokenModeConfig",
+    "check_token_mode_request",
+    "context_length_error",
+    "fit_max_tokens",
+    "forced_tool_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,126 @@ class TokenModeConfig:
     history: HistoryPolicy = "exact"  # "exact" (training default) or "template" (the official rendering)
     model_name: str = "policy"  # what GET /v1/models lists
     default_max_tokens: int = 1024  # when the request gives neither max_tokens nor max_completion_tokens
+    max_model_len: int | None = None  # the policy's context (None: the engine's ``max_model_len``)
+
+
+# -- what token mode does with each OpenAI parameter (docs/proxy.md lists them all) ---------------------------------
+# Parameters whose non-default value changes what is sampled in a way the engine here does not do: refused with a 400
+# naming them (a harness that sends the default value, e.g. presence_penalty: 0 or logit_bias: {}, is served).
+_REFUSED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+}
+
+
+def check_token_mode_request(body: dict[str, Any], *, response_format: bool, top_logprobs: bool) -> None:
+    """Refuse (400 naming the parameter) what token mode cannot honour; ``response_format`` / ``top_logprobs``:
+    whether the engine supports guided decoding / returns the top alternatives. Shared by every API surface."""
+    if body.get("n") not in (None, 1):
+        raise ProxyHTTPError(400, "n: token mode samples one choice per call: n must be 1", param="n")
+    for key, allowed in _REFUSED.items():
+        if body.get(key) is not None and body[key] not in allowed:
+            raise ProxyHTTPError(400, f"{key}: not supported in token mode (the engine cannot honour it)", param=key)
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise ProxyHTTPError(400, "modalities: token mode generates text only", param="modalities")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text") and not response_format:
+        raise ProxyHTTPError(
+            400,
+            "response_format: this engine has no guided decoding (use an SGLang or vLLM engine, or drop it)",
+            param="response_format",
+        )
+    if body.get("top_logprobs") and not top_logprobs:
+        raise ProxyHTTPError(
+            400, "top_logprobs: this engine returns the sampled token's log-prob only (set 0)", param="top_logprobs"
+        )
+    n_alternatives = body.get("logprobs")
+    if "prompt" in body and type(n_alternatives) is int and n_alternatives > 1 and not top_logprobs:
+        raise ProxyHTTPError(
+            400, "logprobs: this engine returns the sampled token's log-prob only (use 0 or 1)", param="logprobs"
+        )
+
+
+def context_length_error(n_prompt: int, max_model_len: int, max_tokens: int | None = None) -> ProxyHTTPError:
+    """The 400 ``context_length_exceeded`` of a prompt that leaves no room to generate (vLLM's answer)."""
+    asked = f", and {max_tokens} in the completion" if max_tokens else ""
+    return ProxyHTTPError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your messages resulted in "
+        f"{n_prompt} tokens{asked}. Please reduce the length of the messages.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def fit_max_tokens(n_prompt: int, requested: int, max_model_len: int | None) -> int:
+    """``requested`` clipped to what the context leaves after ``n_prompt`` (400 when nothing is left)."""
+    if max_model_len is None:
+        return requested
+    room = max_model_len - n_prompt
+    if room < 1:
+        raise context_length_error(n_prompt, max_model_len, requested)
+    return min(requested, room)
+
+
+# Text the template writes to open a tool call (and name the function): forced as a prompt suffix for
+# tool_choice "required" / a named function (recorded in the prompt: never sampled, never trained).
+_TOOL_OPENINGS: dict[str, tuple[str, str]] = {
+    # parser name: (opening for "required", opening for a named function with {name})
+    "hermes": ("<tool_call>\n", '<tool_call>\n{{"name": "{name}", "arguments": '),
+    "hermes-nothink": ("<tool_call>\n", '<tool_call>\n{{"name": "{name}", "arguments": '),
+    "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{{"name": "{name}", "arguments": '),
+    "llama3-json": ('{"name": "', '{{"name": "{name}", "parameters": '),
+}
+
+
+def forced_tool_prefix(parser_name: str, choice: str | None) -> str | None:
+    """The text to force for ``choice`` (``tool_choice_of``), None when nothing is forced; 400 when the family's
+    tool-call opening is not known here."""
+    if choice in (None, "none", "auto"):
+        return None
+    openings = _TOOL_OPENINGS.get(parser_name)
+    if openings is None:
+        raise ProxyHTTPError(
+            400,
+            f"tool_choice: {choice!r} cannot be enforced for the {parser_name} format; use 'auto'",
+            param="tool_choice",
+        )
+    return openings[0] if choice == "required" else openings[1].format(name=choice)
+
+
+class _ContentOnly(OutputParser):
+    """A parser that never makes tool calls: tool-call text stays content (no tools offered, or tool_choice none)."""
+
+    def __init__(self, inner: OutputParser) -> None:
+        super().__init__(inner.renderer)
+        self.inner = inner
+        self.name = inner.name  # type: ignore[misc]
+        self.markers = inner.markers  # type: ignore[misc]
+        self.thinks = inner.thinks  # type: ignore[misc]
+
+    def parse_text(self, text: str, *, in_reasoning: bool = False) -> ParsedReply:
+        parsed = self.inner.parse_text(text, in_reasoning=in_reasoning)
+        if not parsed.tool_calls:
+            return parsed
+        rest = text
+        if parsed.reasoning:  # keep the reasoning split; everything after it is content, tool-call text included
+            end = text.find("</think>")
+            rest = text[end + len("</think>") :].lstrip("\n") if end != -1 else text
+        return ParsedReply(content=rest, reasoning=parsed.reasoning)
+
+    def settled(self, text: str, *, in_reasoning: bool = False) -> int:
+        return self.inner.settled(text, in_reasoning=in_reasoning)
 
 
 async def _prior_calls(ctx: CallContext) -> list[PriorCall]:
@@ -86,30 +215,52 @@ class TokenModeBackend:
         self.engine = engine
         self.renderer = renderer
         self.parser = parser or get_parser(renderer)
+        self.content_parser = _ContentOnly(self.parser)
         self.config = config or TokenModeConfig()
+        engine_len = getattr(engine, "max_model_len", None)
+        self.max_model_len: int | None = self.config.max_model_len or (
+            int(engine_len) if isinstance(engine_len, int) else None
+        )
+        self.response_format = bool(getattr(engine, "supports_response_format", False))
+        self.top_logprobs = bool(getattr(engine, "supports_top_logprobs", False))
         logger.info(
-            "token mode: family %s, parser %s, history %s",
+            "token mode: family %s, parser %s, history %s, context %s",
             renderer.family.name,
             self.parser.name,
             self.config.history,
+            self.max_model_len,
         )
 
     # -- request -> prompt ids and sampling --------------------------------------------------------------------------
-    async def _render(self, body: dict[str, Any], ctx: CallContext) -> RenderedPrompt:
-        if body.get("n") not in (None, 1):
-            raise ProxyHTTPError(400, "token mode samples one choice per call: n must be 1", param="n")
+    async def _render(self, body: dict[str, Any], ctx: CallContext) -> tuple[RenderedPrompt, list[int]]:
+        """The prompt (bridged over earlier calls) and the forced tool-call opening ids (``tool_choice``)."""
+        self._check(body)
+        forced_text = forced_tool_prefix(self.parser.name, tool_choice_of(body))
         prior = await _prior_calls(ctx)
         try:
-            return await asyncio.to_thread(
+            prompt = await asyncio.to_thread(
                 render_prompt, self.renderer, body["messages"], body.get("tools"), prior, policy=self.config.history
             )
         except TokenizationError as exc:  # the template refused these messages: the request's fault
             raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
+        forced = self.renderer.encode(forced_text) if forced_text else []
+        if forced:  # forced tokens sit in the prompt: the engine reads them, they are never sampled nor trained
+            prompt.prompt_ids = [*prompt.prompt_ids, *forced]
+            prompt.notes.append(f"tool_choice: {len(forced)} forced tokens")
+        return prompt, forced
 
-    def _sampling(self, body: dict[str, Any]) -> Sampling:
+    def _check(self, body: dict[str, Any]) -> None:
+        check_token_mode_request(body, response_format=self.response_format, top_logprobs=self.top_logprobs)
+
+    def _parser_for(self, body: dict[str, Any]) -> OutputParser:
+        """Tool calls are parsed only when tools are offered and tool_choice is not "none"."""
+        return self.parser if tool_choice_of(body) not in (None, "none") else self.content_parser
+
+    def _sampling(self, body: dict[str, Any], n_prompt: int) -> Sampling:
         stop = body.get("stop")
+        requested = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         fields: dict[str, Any] = {
-            "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens,
+            "max_tokens": fit_max_tokens(n_prompt, requested, self.max_model_len),
             "stop": [stop] if isinstance(stop, str) else list(stop or []),
             "stop_token_ids": sorted(self.renderer.stop_token_ids),
         }
@@ -201,9 +352,10 @@ class TokenModeBackend:
 
     # -- the PolicyBackend interface ----------------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
-        prompt = await self._render(body, ctx)
-        gen = await self._generate(prompt.prompt_ids, self._sampling(body), ctx)
-        parsed = self.parser.parse(gen.completion_ids, prompt_ids=prompt.prompt_ids)
+        prompt, forced = await self._render(body, ctx)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids)), ctx)
+        n_base = len(prompt.prompt_ids) - len(forced)
+        parsed = self._parser_for(body).parse([*forced, *gen.completion_ids], prompt_ids=prompt.prompt_ids[:n_base])
         message = self._with_ids(parsed.to_message())
         finish = _openai_finish(gen.finish_reason, bool(parsed.tool_calls))
         ids, lps = list(gen.completion_ids), list(gen.logprobs)
@@ -211,11 +363,13 @@ class TokenModeBackend:
         return self._result(response, prompt, ids, lps, finish, gen.finish_reason, gen.policy_version, ctx)
 
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
-        prompt = await self._render(body, ctx)
-        sampling = self._sampling(body)
+        prompt, forced = await self._render(body, ctx)
+        sampling = self._sampling(body, len(prompt.prompt_ids))
         rid, created, model = _chat_id(), int(time.time()), body["model"]
         want_lps = bool(body.get("logprobs"))
-        stream_parser = self.parser.stream(prompt_ids=prompt.prompt_ids)
+        parser = self._parser_for(body)
+        stream_parser = parser.stream(prompt_ids=prompt.prompt_ids[: len(prompt.prompt_ids) - len(forced)])
+        opening = stream_parser.feed(forced) if forced else []  # the forced opening is parsed with the reply
 
         def chunk(delta: dict[str, Any], finish: str | None = None, lps: list[dict[str, Any]] | None = None) -> Any:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -230,6 +384,8 @@ class TokenModeBackend:
             }
 
         yield chunk({"role": "assistant", "content": ""})
+        for delta in opening:
+            yield chunk(delta)
         ids: list[int] = []
         lps: list[float] = []
         engine_finish = "stop"
@@ -311,8 +467,9 @@ class TokenModeBackend:
         return response
 
     async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
+        self._check(body)
         prompt = self._completion_prompt(body)
-        gen = await self._generate(prompt.prompt_ids, self._sampling(body), ctx)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids)), ctx)
         ids, lps = list(gen.completion_ids), list(gen.logprobs)
         finish = _openai_finish(gen.finish_reason, False)
         text = self._completion_text(ids)
@@ -320,8 +477,9 @@ class TokenModeBackend:
         return self._result(response, prompt, ids, lps, finish, gen.finish_reason, gen.policy_version, ctx)
 
     async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
+        self._check(body)
         prompt = self._completion_prompt(body)
-        sampling = self._sampling(body)
+        sampling = self._sampling(body, len(prompt.prompt_ids))
         rid, created, model = _completion_id(), int(time.time()), body["model"]
         ids: list[int] = []
         lps: list[float] = []
@@ -441,6 +599,15 @@ class RetokenizingBackend:
 
     async def models(self) -> list[str]:
         return await self.inner.models()
+
+    async def start(self) -> None:
+        start = getattr(self.inner, "start", None)
+        if callable(start):
+            await start()
+
+    def upstream_state(self) -> dict[str, Any] | None:
+        state = getattr(self.inner, "upstream_state", None)
+        return state() if callable(state) else None
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -58,7 +58,8 @@ def render_report(result: BuildResult, console: Console | None = None, *, max_ro
         f"{summ['groups']} groups; {summ['tokens_trained']}/{summ['tokens']} tokens trained; "
         f"zero-variance groups: {summ['zero_variance_groups']}; split reasons: {_fmt(summ['split_reasons'])}; "
         f"truncated segments: {summ['truncated_segments']}; retokenized calls: {summ['retokenized_calls']}; "
-        f"text-only calls (no ids, not trained): {summ['text_only_calls']}",
+        f"text-only calls (no ids, not trained): {summ['text_only_calls']}; "
+        f"failed calls (not trained): {summ['failed_calls']}",
         markup=False,
         highlight=False,
         soft_wrap=True,

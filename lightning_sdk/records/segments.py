@@ -73,6 +73,7 @@ class MergeStats:
     duplicate_calls: int = 0  # retried identical calls (same prompt and completion ids)
     invalid_calls: int = 0  # logprobs missing or of the wrong length: not trained
     empty_calls: int = 0  # no completion ids
+    failed_calls: int = 0  # answered with an error (refused, aborted, upstream failure): never trained
     prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     completion_tokens_by_source: dict[str, int] = field(default_factory=dict)
     truncated_segments: int = 0
@@ -154,6 +155,9 @@ def _collect(calls: Sequence[Call], options: MergeOptions, stats: MergeStats) ->
         stats.calls += 1
         if not call.is_policy or call.token_source == "external":
             stats.external_calls += 1
+            continue
+        if call.error is not None:
+            stats.failed_calls += 1
             continue
         _count(stats.prompt_tokens_by_source, call.token_source, len(call.prompt_ids))
         _count(stats.completion_tokens_by_source, call.token_source, len(call.completion_ids))

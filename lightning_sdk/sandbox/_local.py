@@ -5,6 +5,7 @@ permitted, and reaping of what a killed owner left behind (see the package docst
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -466,6 +467,17 @@ class LocalBackend:
         except OSError as exc:
             raise SandboxError(f"cannot create the sandbox root {self.root}: {exc}") from exc
         self.reaped = reap_leftovers(self.root) if reap else 0
+        atexit.register(self._close_all_now)
+
+    def _close_all_now(self) -> None:
+        """At interpreter exit: kill and remove the sandboxes still open (an event loop that ended mid-attempt)."""
+        with self._lock:
+            boxes = [*self._active.values(), *self._uncounted.values()]
+        for box in boxes:
+            box._closed = True
+            _kill_everything(box.directory, box.id, box.cgroups)
+            _remove_cgroups(box.cgroups)
+            shutil.rmtree(box.directory, ignore_errors=True)
 
     def active(self) -> int:
         """Sandboxes that exist now (verifier copies made with ``fresh`` included)."""
@@ -500,13 +512,16 @@ class LocalBackend:
         directory = self.root / sandbox_id
         box = LocalSandbox(self, sandbox_id, directory, lim)
         box.counted = counted
+        making = asyncio.ensure_future(asyncio.to_thread(self._materialize, box, files))
         try:
-            await asyncio.to_thread(self._materialize, box, files)
-        except BaseException:
+            await asyncio.shield(making)
+        except BaseException:  # failed or cancelled: let the thread finish, then remove what it made
+            with contextlib.suppress(BaseException):
+                await making
             with self._lock:
                 self._reserved -= counted
-            await asyncio.to_thread(_remove_cgroups, box.cgroups)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+            _remove_cgroups(box.cgroups)
+            shutil.rmtree(directory, ignore_errors=True)
             raise
         with self._lock:
             self._reserved -= counted

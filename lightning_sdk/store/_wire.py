@@ -12,15 +12,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from lightning_sdk.errors import (
-    AuthError,
-    ConfigError,
-    InvalidTransitionError,
-    LightningSDKError,
-    NotFoundError,
-    StoreError,
-    StoreUnavailableError,
-)
+from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.http_errors import error_fields, exception_for
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
@@ -36,6 +29,7 @@ from lightning_sdk.types import (
 )
 
 __all__ = [
+    "MAX_ENQUEUE_ROLLOUTS",
     "AttemptBody",
     "AttemptsBody",
     "CallsBody",
@@ -75,6 +69,10 @@ class _Wire(BaseModel):
 
 
 # -- requests ---------------------------------------------------------------------------------------------------------
+MAX_ENQUEUE_ROLLOUTS = 10_000
+"""The most rollouts one enqueue request may open (len(tasks) * n): a bigger one blocks the store writer."""
+
+
 class EnqueueRequest(_Wire):
     tasks: list[Task]
     n: int = 1
@@ -86,6 +84,7 @@ class EnqueueRequest(_Wire):
 class OpenSessionRequest(_Wire):
     task: Task | None = None
     group_id: str | None = None
+    split: str = "train"
 
 
 class ClaimRequest(_Wire):
@@ -195,6 +194,7 @@ class OkBody(_Wire):
 class ErrorDetail(_Wire):
     message: str
     type: str
+    param: str | None = None
     code: str | None = None
 
 
@@ -208,23 +208,13 @@ def dump(model: BaseModel) -> bytes:
 
 
 # -- errors -----------------------------------------------------------------------------------------------------------
-# (exception class, HTTP status, OpenAI error type, code); the first match in order wins, so subclasses come first.
-_ERRORS: list[tuple[type[LightningSDKError], int, str, str]] = [
-    (NotFoundError, 404, "not_found_error", "not_found"),
-    (InvalidTransitionError, 409, "conflict_error", "invalid_transition"),
-    (StoreUnavailableError, 503, "service_unavailable_error", "store_unavailable"),
-    (ConfigError, 400, "invalid_request_error", "invalid_argument"),
-    (AuthError, 401, "authentication_error", "invalid_admin_key"),
-    (StoreError, 500, "server_error", "store_error"),
-]
+# One table for every route: ``lightning_sdk.http_errors.ERROR_TABLE`` (the proxy answers alike).
 
 
 def error_for(exc: LightningSDKError) -> tuple[int, ErrorBody]:
     """The HTTP status and body that report ``exc``."""
-    for cls, status, kind, code in _ERRORS:
-        if isinstance(exc, cls):
-            return status, ErrorBody(error=ErrorDetail(message=str(exc), type=kind, code=code))
-    return 500, ErrorBody(error=ErrorDetail(message=str(exc), type="server_error", code="internal_error"))
+    status, kind, code = error_fields(exc)
+    return status, ErrorBody(error=ErrorDetail(message=str(exc), type=kind, code=code))
 
 
 def error_from(status: int, content: bytes) -> LightningSDKError:
@@ -234,9 +224,4 @@ def error_from(status: int, content: bytes) -> LightningSDKError:
         message, code = detail.message, detail.code
     except (orjson.JSONDecodeError, ValueError):
         message, code = content[:500].decode(errors="replace") or f"HTTP {status}", None
-    for cls, cls_status, _, cls_code in _ERRORS:
-        if code == cls_code or (code is None and status == cls_status):
-            return cls(message)
-    if 400 <= status < 500:
-        return ConfigError(f"store refused the request (HTTP {status}): {message}")
-    return StoreError(f"store failed (HTTP {status}): {message}")
+    return exception_for(status, code, message)

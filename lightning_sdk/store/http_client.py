@@ -140,12 +140,23 @@ class HTTPStore:
         group_ids: list[str] | None = None,
     ) -> list[Group]:
         ids = group_ids if group_ids is not None else [new_id("gr") for _ in tasks]  # makes retries idempotent
-        req = w.EnqueueRequest(tasks=tasks, n=n, max_attempts=max_attempts, split=split, group_ids=ids)
-        res = await self._call("POST", "/enqueue", w.GroupsBody, req)
-        return res.groups
+        per_request = max(1, w.MAX_ENQUEUE_ROLLOUTS // max(1, n))  # the server bounds rollouts per request
+        groups: list[Group] = []
+        for i in range(0, max(1, len(tasks)), per_request):
+            req = w.EnqueueRequest(
+                tasks=tasks[i : i + per_request],
+                n=n,
+                max_attempts=max_attempts,
+                split=split,
+                group_ids=ids[i : i + per_request],
+            )
+            groups += (await self._call("POST", "/enqueue", w.GroupsBody, req)).groups
+        return groups
 
-    async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        req = w.OpenSessionRequest(task=task, group_id=group_id)
+    async def open_session(
+        self, task: Task | None = None, group_id: str | None = None, *, split: str = "train"
+    ) -> Claim:
+        req = w.OpenSessionRequest(task=task, group_id=group_id, split=split)
         res = await self._call("POST", "/sessions", w.ClaimBody, req, repeatable=False)
         if res.claim is None:
             raise StoreError("store answered an empty session")

@@ -40,8 +40,8 @@ GET    /meta/{key}                      -                                     Me
 
 from __future__ import annotations
 
+import hmac
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -52,19 +52,26 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from lightning_sdk.errors import AuthError, ConfigError, LightningSDKError
+from lightning_sdk.http_errors import bearer_token, error_headers
 from lightning_sdk.store import _wire as w
 from lightning_sdk.store.base import Store
-from lightning_sdk.types import PolicyVersion, Resource, RolloutStatus
+from lightning_sdk.types import Attempt, AttemptStatus, PolicyVersion, Resource, RolloutStatus
 
 __all__ = ["store_routes"]
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request], Awaitable[BaseModel]]
+FinishFn = Callable[[str, AttemptStatus, str | None], Awaitable[Attempt]]
+MAX_QUERY_LIMIT = 10_000
+_OUT_OF_RANGE = "an integer in the request is out of range (the store keeps signed 64-bit integers)"
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(w.dump(model), status_code=status, media_type="application/json")
+    response = Response(w.dump(model), status_code=status, media_type="application/json")
+    if status >= 400:
+        response.raw_headers.extend(error_headers(status))
+    return response
 
 
 async def _body(request: Request, model: type[M]) -> M:
@@ -82,29 +89,40 @@ async def _body(request: Request, model: type[M]) -> M:
         raise ConfigError(f"invalid field {field!r}: {first['msg']} ({exc.error_count()} error(s))") from exc
 
 
-def _int_param(request: Request, name: str, default: int) -> int:
+def _int_param(request: Request, name: str, default: int, *, low: int = 1, high: int = MAX_QUERY_LIMIT) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ConfigError(f"invalid query parameter {name!r}: {raw!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ConfigError(f"invalid query parameter {name!r}: {value} is not in [{low}, {high}]")
+    return value
 
 
-def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
-    """The store's HTTP routes over ``store``, guarded by ``admin_key`` (see the module docstring for the table)."""
+def store_routes(store: Store, admin_key: str, *, finish_attempt: FinishFn | None = None) -> list[BaseRoute]:
+    """The store's HTTP routes over ``store``, guarded by ``admin_key`` (see the module docstring for the table).
+
+    ``finish_attempt`` replaces ``store.finish_attempt`` behind ``POST /attempts/{id}/finish`` (the proxy passes its own
+    barrier, so a store-side finish invalidates the attempt's token at once and waits for its calls in flight).
+    """
     if not admin_key:
         raise ConfigError("store_routes: an admin key is required")
-    expected = f"Bearer {admin_key}".encode()
+    expected = admin_key.encode()
+    end_attempt: FinishFn = finish_attempt or store.finish_attempt
 
     def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             try:
-                given = request.headers.get("authorization", "").encode()
-                if not secrets.compare_digest(given, expected):
+                given = (bearer_token(request.headers) or "").encode()
+                if not hmac.compare_digest(given, expected):
                     raise AuthError("missing or wrong admin key (send 'Authorization: Bearer <admin key>')")
-                return _json(await handler(request))
+                try:
+                    return _json(await handler(request))
+                except OverflowError as exc:  # sqlite refuses ints beyond 64 bits: the request's fault
+                    raise ConfigError(_OUT_OF_RANGE) from exc
             except LightningSDKError as exc:
                 status, body = w.error_for(exc)
                 if status >= 500:
@@ -120,12 +138,19 @@ def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
     # -- handlers ---------------------------------------------------------------------------------------------------
     async def enqueue(request: Request) -> BaseModel:
         b = await _body(request, w.EnqueueRequest)
+        if b.max_attempts > 1000:
+            raise ConfigError(f"invalid field 'max_attempts': {b.max_attempts} is over the limit of 1000")
+        if len(b.tasks) * b.n > w.MAX_ENQUEUE_ROLLOUTS:
+            raise ConfigError(
+                f"invalid field 'n': {len(b.tasks)} tasks x n={b.n} rollouts is over the limit of "
+                f"{w.MAX_ENQUEUE_ROLLOUTS} per request (send several requests)"
+            )
         groups = await store.enqueue(b.tasks, n=b.n, max_attempts=b.max_attempts, split=b.split, group_ids=b.group_ids)
         return w.GroupsBody(groups=groups)
 
     async def sessions(request: Request) -> BaseModel:
         b = await _body(request, w.OpenSessionRequest)
-        return w.ClaimBody(claim=await store.open_session(b.task, b.group_id))
+        return w.ClaimBody(claim=await store.open_session(b.task, b.group_id, split=b.split))
 
     async def claim(request: Request) -> BaseModel:
         b = await _body(request, w.ClaimRequest)
@@ -140,7 +165,7 @@ def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
 
     async def finish(request: Request) -> BaseModel:
         b = await _body(request, w.FinishRequest)
-        return w.AttemptBody(attempt=await store.finish_attempt(request.path_params["attempt_id"], b.status, b.error))
+        return w.AttemptBody(attempt=await end_attempt(request.path_params["attempt_id"], b.status, b.error))
 
     async def expire(request: Request) -> BaseModel:
         return w.AttemptsBody(attempts=await store.expire_leases())
@@ -189,6 +214,8 @@ def store_routes(store: Store, admin_key: str) -> list[BaseRoute]:
 
     async def consume(request: Request) -> BaseModel:
         b = await _body(request, w.ConsumeRequest)
+        if not 0 <= b.step < 2**63:
+            raise ConfigError(f"invalid field 'step': {b.step} is not in [0, 2^63)")
         return w.ConsumeBody(consumed=await store.consume_groups(b.step, b.group_ids))
 
     async def publish(request: Request) -> BaseModel:

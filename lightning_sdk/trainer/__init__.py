@@ -15,7 +15,7 @@ from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_c
 from lightning_sdk.trainer.config import TrainConfig, load_train_config
 from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
 from lightning_sdk.trainer.factory import Parts, build_parts
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs, train_batch
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names, register_policy_loss
 
 __all__ = [
@@ -36,4 +36,5 @@ __all__ = [
     "register_policy_loss",
     "save_checkpoint",
     "token_logprobs",
+    "train_batch",
 ]

@@ -15,7 +15,8 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
 
 1. take ``tasks_per_step`` finished train groups, oldest first; a group sampled more than ``max_staleness`` policy
    versions ago (its oldest call) is dropped (consumed without training, counted);
-2. build records (merge, advantages: GRPO by default) and a padded batch; one learner update in a thread;
+2. build records (merge, advantages: GRPO by default); ``learner.step(records)`` in a thread (each backend builds
+   its own batch from the records);
 3. write the checkpoint (weights, optimizer, step, the step's groups), then ``consume_groups(step, ...)``, then
    publish the version and hand the weights to the engine (swapped in as soon as its running batch ends; the
    learner does not wait for that). See ``checkpoint.py`` for why this order makes a
@@ -41,15 +42,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import uvicorn
 
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
-from lightning_sdk.records.batch import build_batch
 from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from lightning_sdk.trainer.learner import TrainBatch
 from lightning_sdk.types import FinishedGroup, PolicyVersion, Resource
 
 if TYPE_CHECKING:
@@ -169,6 +167,7 @@ class TrainerDaemon:
         samples_per_task: int = 8,
         max_staleness: int = 1,
         records_config: RecordsConfig | None = None,
+        max_attempts: int = 1,
         rollout_sampling: dict[str, Any] | None = None,
         admin_key: str,
         host: str = "127.0.0.1",
@@ -187,6 +186,7 @@ class TrainerDaemon:
         self.train_tasks = list(train_tasks)
         self.tasks_per_step = tasks_per_step
         self.samples_per_task = samples_per_task
+        self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
         self.max_staleness = max_staleness
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
         self.rollout_sampling = rollout_sampling
@@ -280,7 +280,13 @@ class TrainerDaemon:
             tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
         else:
             tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
-        await self.store.enqueue(tasks, n=self.samples_per_task, split="train", group_ids=[f"train-{k}" for k in ks])
+        await self.store.enqueue(
+            tasks,
+            n=self.samples_per_task,
+            split="train",
+            max_attempts=self.max_attempts,
+            group_ids=[f"train-{k}" for k in ks],
+        )
         self.next_task += want
 
     # -- one step ------------------------------------------------------------------------------------------------
@@ -324,11 +330,10 @@ class TrainerDaemon:
         staleness = [self.version - (group_version(g) or self.version) for g in fresh]
         metrics: dict[str, float] = {}
         learner_s = 0.0
-        batch = self._batch(built.records) if built.records else None
-        records_s = time.perf_counter() - t_records
-        if batch is not None:
+        records_s = time.perf_counter() - t_records  # the learner's own batch building counts in learner_s
+        if built.records:
             t0 = time.perf_counter()
-            metrics = await asyncio.to_thread(self.learner.step, batch)
+            metrics = await asyncio.to_thread(self.learner.step, built.records)  # the learner builds its batch
             learner_s = time.perf_counter() - t0
             self.learner_busy_s += learner_s
             new_version = self.version + 1
@@ -424,18 +429,6 @@ class TrainerDaemon:
         """Wait until the engine serves the latest published weights."""
         if self._publisher is not None:
             await self._publisher
-
-    def _batch(self, records: Sequence[Any]) -> TrainBatch:
-        pad = self.engine.tokenizer.pad_token_id
-        arrays = build_batch(records, pad_id=int(pad) if pad is not None else 0)
-        weight = torch.from_numpy(arrays["sample_weight"]).unsqueeze(1)
-        return TrainBatch(
-            input_ids=torch.from_numpy(arrays["input_ids"]),
-            attention_mask=torch.from_numpy(arrays["attention_mask"]),
-            loss_mask=torch.from_numpy(arrays["loss_mask"]),
-            logprobs=torch.from_numpy(arrays["old_logprobs"]),
-            advantages=torch.from_numpy(arrays["advantages"]) * weight,
-        )
 
     async def train_steps(
         self,

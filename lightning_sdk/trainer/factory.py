@@ -5,15 +5,17 @@ what the serving engine is handed after each update.
     engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
     both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
 
-The daemon only sees ``Parts``: it calls ``learner.step``, ``weights()`` and ``engine.update_weights`` and never
-asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the trainer
-needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
+The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights``
+and never asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the
+trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
+import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import ConfigError
-from lightning_sdk.trainer.config import VERL_LAUNCH_KEYS, TrainConfig
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch
+from lightning_sdk.errors import ConfigError, EngineError
+from lightning_sdk.records.record import Record
+from lightning_sdk.trainer.config import TrainConfig
+from lightning_sdk.trainer.learner import Learner
 
 __all__ = [
     "LearnerLike",
@@ -56,7 +59,7 @@ class LearnerLike(Protocol):
 
     steps: int
 
-    def step(self, batch: TrainBatch) -> dict[str, float]: ...
+    def step(self, records: Sequence[Record]) -> dict[str, float]: ...
 
     def weights(self) -> dict[str, torch.Tensor]: ...
 
@@ -81,6 +84,8 @@ class ServedEngine:
         self._servers = list(servers)
         self.sampling_override: dict[str, Any] | None = None
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0}
+        # turns a state dict (what the warm start hands over) into a checkpoint directory the servers can load
+        self.write_state: Callable[[dict[str, torch.Tensor]], str] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -113,6 +118,10 @@ class ServedEngine:
             yield delta
 
     async def update_weights(self, source: Any, version: int) -> None:
+        if isinstance(source, dict):  # a state dict: servers load checkpoints from disk
+            if self.write_state is None:
+                raise EngineError("this engine loads weights from a checkpoint directory, not a state dict")
+            source = await asyncio.to_thread(self.write_state, source)
         await self.inner.update_weights(source, version)
 
     async def close(self) -> None:
@@ -147,25 +156,11 @@ class Parts:
 
 
 def verl_config(config: TrainConfig, model_dir: Path) -> Any:
-    """The ``VerlConfig`` of ``backend: verl``: the ``[rl]`` settings the embedded learner would use, then the
-    ``[verl]`` section on top (launch keys excepted), with the policy directory as ``model_dir``."""
-    from lightning_sdk.trainer.verl.config import VerlConfig
+    """The ``VerlConfig`` of ``backend: verl``: the ``[verl]`` section with the policy directory as ``model_dir`` and
+    the sampling temperature."""
+    from lightning_sdk.trainer.config import VerlSettings
 
-    rl = config.rl
-    base: dict[str, Any] = {
-        "lr": rl.lr,
-        "grad_clip": rl.grad_clip,
-        "clip_ratio_low": rl.clip_ratio,
-        "clip_ratio_high": rl.clip_ratio,
-        "tis_threshold": rl.tis_cap,
-        "kl_coef": rl.kl_coef,
-        "temperature": rl.temperature,
-        "micro_batch_tokens": rl.micro_batch_tokens,
-        "ppo_epochs": rl.ppo_epochs,
-        "mini_batches_per_step": rl.mini_batches,
-    }
-    ours = {k: v for k, v in config.verl.items() if k not in VERL_LAUNCH_KEYS}
-    return VerlConfig.model_validate({**base, **ours, "model_dir": str(model_dir)})
+    return (config.verl or VerlSettings()).verl_config(str(model_dir), config.rl.temperature)
 
 
 def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
@@ -178,7 +173,10 @@ def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTo
         path = config.resolve(ec.model_path) if ec.model_path else str(model_dir)
         launcher = launch.launch_sglang if ec.kind == "sglang" else launch.launch_vllm
         gpus = ec.gpus or [[0]]
-        servers = launch.launch_many(launcher, path, gpus=gpus, extra_args=ec.extra_args)
+        kwargs: dict[str, Any] = {"extra_args": ec.extra_args}
+        if ec.kind == "vllm" and ec.python:
+            kwargs["python"] = ec.python
+        servers = launch.launch_many(launcher, path, gpus=gpus, **kwargs)
         urls = [s.url for s in servers]
     inner: Engine
     if ec.kind == "sglang":
@@ -193,16 +191,23 @@ def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTo
     return ServedEngine(inner, tokenizer, servers)
 
 
-def _disk_weights(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path) -> Callable[[], str]:
-    """``weights()`` of the embedded learner for a remote engine: an HF checkpoint per published version."""
+def _disk_weights(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path
+) -> Callable[[dict[str, torch.Tensor] | None], str]:
+    """``weights()`` of the embedded learner for a remote engine: an HF checkpoint per published version (the two
+    newest are kept: the one being loaded and the one served before it)."""
     count = 0
 
-    def write() -> str:
+    def write(state: dict[str, torch.Tensor] | None = None) -> str:
+        """Save the model's current weights, or ``state`` (a state dict of the same model), as a checkpoint."""
         nonlocal count
         count += 1
         out = root / f"v{count:06d}"
-        model.save_pretrained(str(out))
+        model.save_pretrained(str(out), state_dict=state)
         tokenizer.save_pretrained(str(out))
+        old = root / f"v{count - 2:06d}"
+        if count > 2 and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
         return str(out)
 
     return write
@@ -229,31 +234,19 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
             if isinstance(engine, ServedEngine):
                 engine.stop_servers()
             raise
-    learner = Learner(model, _learner_config(config))
-    weights: Callable[[], Any] = _disk_weights(model, tokenizer, run_dir / "weights") if remote else learner.weights
+    pad = tokenizer.pad_token_id
+    learner = Learner(model, config.learner_config(), pad_id=int(pad) if pad is not None else 0)
+    weights: Callable[[], Any] = learner.weights
+    if isinstance(engine, ServedEngine):
+        writer = _disk_weights(model, tokenizer, run_dir / "weights")
+        engine.write_state = writer
+        weights = lambda: writer(None)  # noqa: E731
 
     def save(out: Path) -> None:
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model)
-
-
-def _learner_config(config: TrainConfig) -> LearnerConfig:
-    rl = config.rl
-    return LearnerConfig(
-        lr=rl.lr,
-        warmup_steps=rl.warmup_steps,
-        grad_clip=rl.grad_clip,
-        clip_ratio_low=rl.clip_ratio,
-        clip_ratio_high=rl.clip_ratio,
-        tis_cap=rl.tis_cap,
-        kl_coef=rl.kl_coef,
-        temperature=rl.temperature,
-        micro_batch_tokens=rl.micro_batch_tokens,
-        ppo_epochs=rl.ppo_epochs,
-        mini_batches=rl.mini_batches,
-    )
 
 
 def _verl_parts(
@@ -264,16 +257,17 @@ def _verl_parts(
     tokenizer: PreTrainedTokenizerBase,
     remote: bool,
 ) -> Parts:
+    from lightning_sdk.trainer.config import VerlSettings
     from lightning_sdk.trainer.verl.adapter import VerlLearner
     from lightning_sdk.trainer.verl.backend import VerlBackend
 
-    launch = {k: v for k, v in config.verl.items() if k in VERL_LAUNCH_KEYS}
+    launch = config.verl or VerlSettings()
     pad = tokenizer.pad_token_id
     backend = VerlBackend(
         verl_config(config, model_dir),
-        ray_address=launch.get("ray_address"),
-        ray_num_cpus=launch.get("ray_num_cpus"),
-        use_ray=bool(launch.get("use_ray", True)),
+        ray_address=launch.ray_address,
+        ray_num_cpus=launch.ray_num_cpus,
+        use_ray=launch.use_ray,
         publish_dir=run_dir / "weights",
         pad_id=int(pad) if pad is not None else 0,
     )

@@ -21,40 +21,53 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
-from lightning_sdk.trainer.losses import LossSettings, get_policy_loss
+from lightning_sdk.records.batch import build_batch
+from lightning_sdk.records.record import Record
+from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
 
-__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs"]
+__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs", "train_batch"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class LearnerConfig:
-    """Optimisation settings of the embedded learner."""
+class LearnerConfig(BaseModel):
+    """The embedded learner (``[learner]`` in the training config)."""
 
-    lr: float = 1e-4
-    warmup_steps: int = 5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    micro_batch_tokens: int = 8192
-    ppo_epochs: int = 1  # passes over each step's batch
-    mini_batches: int = 1  # optimizer updates per pass (row slices of the batch)
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(5, ge=1, description="linear learning-rate warmup, in learner steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    loss: str = Field("ppo_clip", description="policy loss, by name (trainer/losses.py: ppo_clip, reinforce)")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip below 1 (acts from the second update of a step)")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip above 1")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual clip for negative advantages")
+    tis_cap: float = Field(2.0, gt=0, description="truncated importance sampling cap on exp(logp_old - logp_rollout)")
+    kl_coef: float = Field(0.0, ge=0, description="KL to a frozen copy of the initial policy (k3); 0: none")
+    temperature: float = Field(
+        1.0, gt=0, description="log-prob temperature; the trainer sets it to the sampling temperature (rl.temperature)"
+    )
+    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of a micro-batch (gradient accumulation)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch (more than one update: the clip acts)")
+    mini_batches: int = Field(1, ge=1, description="optimizer updates per pass (row slices of the batch)")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in policy_loss_names():
+            raise ValueError(f"unknown policy loss {value!r}; valid: {', '.join(policy_loss_names())}")
+        return value
 
 
 @dataclass
@@ -76,6 +89,20 @@ class TrainBatch:
                 raise TrainerError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
 
 
+def train_batch(records: Sequence[Record], *, pad_id: int = 0) -> TrainBatch:
+    """The embedded learner's batch of ``records`` (``records.build_batch``, right padding), each row's advantages
+    weighted by its share of its rollout (``Record.weight``)."""
+    arrays = build_batch(records, pad_id=pad_id)
+    weight = torch.from_numpy(arrays["sample_weight"]).unsqueeze(1)
+    return TrainBatch(
+        input_ids=torch.from_numpy(arrays["input_ids"]),
+        attention_mask=torch.from_numpy(arrays["attention_mask"]),
+        loss_mask=torch.from_numpy(arrays["loss_mask"]),
+        logprobs=torch.from_numpy(arrays["old_logprobs"]),
+        advantages=torch.from_numpy(arrays["advantages"]) * weight,
+    )
+
+
 def token_logprobs(
     model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +121,11 @@ def token_logprobs(
 
 
 class Learner:
-    """Owns the trainable model and its optimizer; ``step(batch)`` does one update and returns metrics."""
+    """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
-    def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None, *, pad_id: int = 0) -> None:
         self.config = config or LearnerConfig()
+        self.pad_id = pad_id
         self.model = model
         self.model.train()
         self.device = next(model.parameters()).device
@@ -147,7 +175,11 @@ class Learner:
         """A detached copy of the current weights (what the engine swaps in)."""
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
+    def step(self, records: Sequence[Record]) -> dict[str, float]:
+        """One training step on ``records``: the padded batch (``train_batch``), then ``update``."""
+        return self.update(train_batch(records, pad_id=self.pad_id))
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
         """``ppo_epochs`` passes over ``batch`` in ``mini_batches`` row slices, one optimizer update per slice;
         returns loss and diagnostics (means over trained tokens and updates)."""
         cfg = self.config

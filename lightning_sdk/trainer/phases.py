@@ -107,14 +107,7 @@ async def warm_start_phase(
         note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
         return success
 
-    cfg = WarmStartConfig(
-        lr=ws.lr,
-        batch_size=ws.batch_size,
-        max_steps=ws.max_steps,
-        eval_every=ws.eval_every,
-        eval_below_loss=ws.eval_below_loss,
-        target_success=ws.target_success,
-    )
+    cfg = WarmStartConfig.model_validate(ws.model_dump(include=set(WarmStartConfig.model_fields)))
     result = await asyncio.to_thread(warm_start, model, daemon.engine.tokenizer, demos, evaluate_model, cfg, stop)
     if result.stopped:
         raise RunStopped(daemon.step)

@@ -35,6 +35,7 @@ import torch
 from lightning_sdk.agent import WorkerPool, load_agent
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
+from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
@@ -74,6 +75,8 @@ def prepare_run_dir(path: str | Path) -> Path:
 
 def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict[str, Any]]) -> Path:
     """The initial policy directory: the configured model dir, or the tiny default built in ``run_dir``."""
+    if config.policy.model in SMOLLM2_NAMES:
+        return prepare_smollm2()
     if config.policy.model != "tiny":
         path = Path(config.resolve(config.policy.model))
         if not (path / "config.json").exists():
@@ -99,6 +102,7 @@ def build_daemon(
     model_dir: Path,
     train_tasks: list[dict[str, Any]],
     sock: socket.socket | None = None,
+    max_attempts: int = 1,
 ) -> tuple[TrainerDaemon, Parts]:
     """Store (SQLite in the run dir) + the engine and learner of ``config.backend`` / ``config.engine``
     (``factory.build_parts``) + daemon for ``model_dir``, serving on ``sock`` if given (bound up front by
@@ -123,6 +127,7 @@ def build_daemon(
         samples_per_task=rl.samples_per_task,
         max_staleness=rl.max_staleness,
         records_config=records,
+        max_attempts=max_attempts,
         rollout_sampling={"temperature": rl.temperature, "top_p": 1.0, "max_tokens": rl.max_tokens},
         admin_key=secrets.token_urlsafe(24),
         host=config.host,
@@ -178,7 +183,7 @@ async def _run_training(
     check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
     view.set_phase("building the policy")
     model_dir = prepare_policy(config, out, demos)
-    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock)
+    daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock, max_attempts=agent.max_attempts)
     await daemon.start()
     timeline["startup_s"] = round(time.perf_counter() - t_start, 2)
     note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")

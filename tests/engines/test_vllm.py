@@ -14,8 +14,10 @@ vLLM's official wheels are CUDA-only, so ``FakeVLLM`` stands in for it. Shapes a
   ``{"status": "resumed"}``; ``vllm/entrypoints/serve/dev/rpc/api_router.py``: ``POST /collective_rpc``
   ``{"method", "args", "kwargs", "timeout"}`` answering ``{"results": [...]}``; ``POST /reset_prefix_cache``.
 
-``collective_rpc("lightning_load_weights", [dir])`` reads ``<dir>/seed.txt`` here, standing in for our
-``DiskReloadExtension`` inside vLLM's workers (which is tested on its own below with a stand-in model runner).
+These tests pin the client's side of the wire format fast and without vLLM; the same client against a real
+vLLM-CPU server is ``tests/engines/test_vllm_real.py`` (marker ``vllm``). ``collective_rpc("lightning_load_weights",
+[dir])`` reads ``<dir>/seed.txt`` here, standing in for our ``DiskReloadExtension`` inside vLLM's workers (tested on
+its own below with a stand-in worker, and for real in ``test_vllm_real.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from starlette.routing import Route
 
 from lightning_sdk.engines.base import Engine, Sampling
 from lightning_sdk.engines.launch import launch_vllm
-from lightning_sdk.engines.vllm import DiskReloadExtension, VLLMEngine
+from lightning_sdk.engines.vllm import VLLMEngine
+from lightning_sdk.engines.vllm_extension import DiskReloadExtension
 from lightning_sdk.errors import EngineError
 from tests.support.servers import serve_async
 
@@ -190,6 +193,9 @@ class FakeVLLM:
 
     async def pause(self, request: Request) -> Response:
         mode = request.query_params.get("mode", "abort")
+        if mode == "wait":  # vLLM lets the requests in flight finish, then pauses
+            while self.running:
+                await asyncio.sleep(0.005)
         self.paused = True
         self.resumed.clear()
         if mode == "abort":
@@ -208,11 +214,12 @@ class FakeVLLM:
         if body.get("method") != "lightning_load_weights":
             return JSONResponse({"error": f"unknown method {body.get('method')}"}, 400)
         seed_file = Path(body["args"][0]) / "seed.txt"
-        if not seed_file.exists():
-            return JSONResponse({"object": "error", "message": f"FileNotFoundError: {seed_file}", "code": 500}, 500)
+        if not seed_file.exists():  # the extension answers its error instead of raising (see vllm_extension.py)
+            error = {"ok": False, "error": f"FileNotFoundError: {seed_file}", "serving": "before"}
+            return JSONResponse({"results": [error]})
         self.seed = int(seed_file.read_text())
         self.events.append(f"load:{self.seed}")
-        return JSONResponse({"results": [1]})
+        return JSONResponse({"results": [{"ok": True, "path": body["args"][0]}]})
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         self.events.append("reset_prefix_cache")
@@ -260,8 +267,9 @@ async def test_completions_with_token_prompt_and_stream() -> None:
     assert (body["max_tokens"], body["temperature"], body["seed"], body["stop"]) == (10, 0.9, 1, ["\n"])
 
 
-async def test_weight_reload_keeps_in_flight_calls(tmp_path: Path) -> None:
-    """pause(mode=keep) freezes the call; load; reset prefix cache; resume; the call ends on the new weights."""
+async def test_weight_reload_waits_for_in_flight_calls(tmp_path: Path) -> None:
+    """Default pause mode ``wait``: the calls in flight finish on the old weights (every token of a call is sampled
+    by the version recorded for it), new calls wait for the update, then run on the new weights."""
     fake = FakeVLLM(token_delay=0.02)
     prompt = [1, 2, 3]
     async with serve_async(fake.app) as srv:
@@ -271,16 +279,39 @@ async def test_weight_reload_keeps_in_flight_calls(tmp_path: Path) -> None:
         while fake.running < 2:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.1)
+        update = asyncio.create_task(engine.update_weights(weights_dir(tmp_path, 4), version=2))
+        await asyncio.sleep(0.05)
+        held = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=3)))
+        await update
+        gen, deltas, after = await call, await streamed, await held
+        await engine.close()
+    assert fake.events == ["pause:wait", "load:4", "reset_prefix_cache", "resume"]
+    assert gen.completion_ids == expected(prompt, 25, seed=0)[0] and gen.policy_version == 0
+    assert [t for d in deltas for t in d.ids] == expected(prompt, 25, seed=0)[0]
+    assert {d.policy_version for d in deltas} == {0}
+    assert after.completion_ids == expected(prompt, 3, seed=4)[0] and after.policy_version == 2
+    assert len(fake.requests) == 3  # nothing re-sent
+
+
+async def test_weight_reload_in_keep_mode_continues_frozen_calls(tmp_path: Path) -> None:
+    """``pause_mode="keep"``: in-flight calls freeze and end on the new weights; the call is recorded under the
+    version it started with (the older one, so the staleness bound covers all its tokens)."""
+    fake = FakeVLLM(token_delay=0.02)
+    prompt = [1, 2, 3]
+    async with serve_async(fake.app) as srv:
+        engine = VLLMEngine(srv.url, pause_mode="keep")
+        call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=25)))
+        while fake.running < 1:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
         await engine.update_weights(weights_dir(tmp_path, 4), version=2)
-        gen, deltas = await call, await streamed
-        after = await engine.generate(prompt, Sampling(max_tokens=3))
+        gen = await call
         await engine.close()
     assert fake.events == ["pause:keep", "load:4", "reset_prefix_cache", "resume"]
-    assert len(gen.completion_ids) == 25 and gen.finish_reason == "length"
-    assert len([t for d in deltas for t in d.ids]) == 25 and deltas[-1].finish_reason == "length"
-    assert len(fake.requests) == 3  # nothing re-sent
-    assert gen.completion_ids != expected(prompt, 25, seed=0)[0]  # the tail came from the new weights
-    assert after.completion_ids == expected(prompt, 3, seed=4)[0] and after.policy_version == 2
+    assert len(gen.completion_ids) == 25 and gen.completion_ids != expected(prompt, 25, seed=0)[0]
+    assert gen.policy_version == 0 and gen.meta["policy_versions"] == [0]
+    with pytest.raises(EngineError, match="pause_mode 'later' is not one of"):
+        VLLMEngine(srv.url, pause_mode="later")  # type: ignore[arg-type]
 
 
 async def test_errors_are_engine_errors(tmp_path: Path) -> None:
@@ -340,32 +371,149 @@ async def test_stream_failures_are_engine_errors() -> None:
         await engine.close()
 
 
-def test_disk_reload_extension_feeds_model_load_weights(tmp_path: Path) -> None:
-    """The worker extension reads every safetensors file and hands (name, tensor) pairs to ``load_weights``."""
+class _StandInWorker(DiskReloadExtension):
+    """Stands in for vLLM's worker (vLLM cannot be imported in this venv): ``reload_weights`` records the path and
+    copies the checkpoint's ``embed`` tensor into the model's (tied) embedding; the lm_head's quant method records
+    that it re-processed the head. The real thing is covered by ``test_vllm_real.py``."""
+
+    def __init__(self, served: Path, fail_on: Path | None = None) -> None:
+        from types import SimpleNamespace
+
+        from safetensors.torch import load_file
+
+        self.loaded: list[str] = []
+        self.reprocessed = 0
+        self.fail_on = str(fail_on) if fail_on else None
+        embed = SimpleNamespace(weight=torch.zeros(2, 2))
+        outer = self
+
+        class Method:
+            def process_weights_after_loading(self, layer: Any) -> None:
+                outer.reprocessed += 1
+
+        head = SimpleNamespace(weight=embed.weight, quant_method=Method())
+        model = SimpleNamespace(lm_head=head, model=SimpleNamespace(embed_tokens=embed))
+        self.model_runner = SimpleNamespace(get_model=lambda: model)
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(served)))
+        self._load = load_file
+        self._embed = embed
+
+    def reload_weights(self, weights_path: str, is_checkpoint_format: bool = True) -> None:
+        self.loaded.append(weights_path)
+        if weights_path == self.fail_on:
+            raise AssertionError("Attempted to load weight (torch.Size([2, 2])) into parameter (torch.Size([0]))")
+        self._embed.weight.copy_(self._load(str(Path(weights_path) / "model.safetensors"))["embed"])
+
+
+def _checkpoint(path: Path, value: float, shape: tuple[int, ...] = (2, 2)) -> Path:
     from safetensors.torch import save_file
 
-    save_file({"a.weight": torch.ones(2, 2)}, str(tmp_path / "model-00001.safetensors"))
-    save_file({"b.bias": torch.zeros(3)}, str(tmp_path / "model-00002.safetensors"))
-    got: dict[str, torch.Tensor] = {}
-
-    class Model:
-        def load_weights(self, weights: Any) -> set[str]:
-            for name, t in weights:
-                got[name] = t
-            return set(got)
-
-    class Runner:
-        model = Model()
-
-    ext = DiskReloadExtension()
-    ext.model_runner = Runner()
-    assert ext.lightning_load_weights(str(tmp_path)) == 2
-    assert torch.equal(got["a.weight"], torch.ones(2, 2)) and torch.equal(got["b.bias"], torch.zeros(3))
-    with pytest.raises(FileNotFoundError):
-        ext.lightning_load_weights(str(tmp_path / "empty"))
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({"embed": torch.full(shape, value)}, str(path / "model.safetensors"))
+    return path
 
 
-def test_launch_vllm_without_binary_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(EngineError, match="vLLM is not installed"):
+def test_disk_reload_extension_reloads_reprocesses_tied_head_and_never_raises(tmp_path: Path) -> None:
+    """The extension runs vLLM's own ``reload_weights``, re-processes a tied ``lm_head``, refuses a checkpoint that
+    does not fit the served one before touching the model, and after a failed reload loads the last good weights
+    back; errors are answered (an exception in a vLLM worker would stop its engine core), never raised."""
+    v0, v1 = _checkpoint(tmp_path / "v0", 0.0), _checkpoint(tmp_path / "v1", 1.0)
+    broken = _checkpoint(tmp_path / "broken", 2.0)
+    worker = _StandInWorker(v0, fail_on=broken)
+    out = worker.lightning_load_weights(str(v1))
+    assert out["ok"] is True and out["tied_head_reprocessed"] is True and worker.reprocessed == 1
+    assert worker.loaded == [str(v1)] and torch.equal(worker._embed.weight, torch.ones(2, 2))
+
+    from safetensors.torch import save_file
+
+    tied = tmp_path / "tied"  # a tied lm_head.weight written beside the embedding: left to the model's loader
+    tied.mkdir()
+    save_file({"embed": torch.full((2, 2), 5.0), "lm_head.weight": torch.zeros(2, 2)}, str(tied / "model.safetensors"))
+    assert worker.lightning_load_weights(str(tied))["ok"] is True and worker._embed.weight[0, 0] == 5.0
+    assert worker.lightning_load_weights(str(v1))["ok"] is True
+    worker.loaded = [str(v1)]
+
+    wrong = _checkpoint(tmp_path / "wrong", 3.0, shape=(3, 2))
+    refused = worker.lightning_load_weights(str(wrong))
+    assert refused["ok"] is False and worker.loaded == [str(v1)]  # the model was not touched
+    assert "embed is F32[3, 2], the served model has F32[2, 2]" in refused["error"]
+    missing = worker.lightning_load_weights(str(tmp_path / "nowhere"))
+    assert missing["ok"] is False and missing["error"].startswith("FileNotFoundError")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "model.safetensors").write_bytes(b"\x01")
+    assert "not a safetensors file" in worker.lightning_load_weights(str(tmp_path / "junk"))["error"]
+
+    failed = worker.lightning_load_weights(str(broken))
+    assert failed["ok"] is False and "AssertionError: Attempted to load weight" in failed["error"]
+    assert failed["serving"] == str(v1) and worker.loaded[-2:] == [str(broken), str(v1)]  # v1 loaded back
+    assert torch.equal(worker._embed.weight, torch.ones(2, 2))
+
+
+def test_extension_module_imports_with_the_standard_library_alone(tmp_path: Path) -> None:
+    """vLLM imports the extension in its own venv, where neither this package nor its dependencies exist: the
+    module must import with ``python -S -I`` (no site-packages, no PYTHONPATH) from a copy outside the package."""
+    import shutil
+    import subprocess
+    import sys
+
+    from lightning_sdk.engines import vllm_extension
+
+    shutil.copy(vllm_extension.__file__, tmp_path / "lightning_vllm_extension.py")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import lightning_vllm_extension as m; print(m.__all__)"
+    out = subprocess.run([sys.executable, "-S", "-I", "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['DiskReloadExtension']"
+
+
+def test_launch_vllm_without_vllm_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No vLLM in this interpreter and no ``LIGHTNING_SDK_VLLM_PYTHON``: the error says how to set one up; a
+    configured interpreter that is missing is a clear error too (nothing is started)."""
+    monkeypatch.delenv("LIGHTNING_SDK_VLLM_PYTHON", raising=False)
+    with pytest.raises(EngineError, match=r"vLLM is not installed in this environment.*LIGHTNING_SDK_VLLM_PYTHON"):
         launch_vllm(tmp_path)
+    with pytest.raises(EngineError, match=r"cannot start '/nowhere/python'"):
+        launch_vllm(tmp_path, python="/nowhere/python", timeout=5)
+
+
+async def test_failed_reload_raises_the_servers_error_and_resume_is_retried() -> None:
+    """A reload that fails is not masked by the resume that follows: the first ``/resume`` finds its connection
+    closed by the server (what a real vLLM did after a failed ``collective_rpc``), the client retries it, and the
+    error raised is the server's own reload error; the version stays, and the server was resumed. A raw loopback
+    HTTP server, because closing a connection without an answer is what this needs."""
+    events: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            path = line.split()[1].decode().split("?")[0]
+            length = 0
+            while (header := await reader.readline()) not in (b"\r\n", b""):
+                if header.lower().startswith(b"content-length:"):
+                    length = int(header.split(b":")[1])
+            await reader.readexactly(length)
+            events.append(path)
+            if path == "/resume" and events.count("/resume") == 1:
+                writer.close()  # no answer: the client sees the connection closed
+                return
+            status, body = (500, b'{"error": "AssertionError: weight shapes differ"}') if path == "/collective_rpc" \
+                else (200, b'{"status": "ok"}')  # fmt: skip
+            writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\nContent-Type: application/json\r\n\r\n%s"
+                         % (status, len(body), body))  # fmt: skip
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = VLLMEngine(f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(EngineError, match=r"answered 500: .*AssertionError: weight shapes differ"):
+            await engine.update_weights("/some/dir", version=1)
+        assert engine.policy_version == 0
+        assert events == ["/pause", "/collective_rpc", "/resume", "/resume"]
+        assert engine._ready.is_set()  # new calls are not held
+    finally:
+        await engine.close()
+        server.close()
+        await server.wait_closed()

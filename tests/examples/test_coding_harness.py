@@ -39,7 +39,7 @@ def _script(fixes: dict[str, str], *, never_submit: bool = False, hang: bool = F
         function = issue.split("\n", 1)[0].split("::test_", 1)[1].rsplit("_", 1)[0]
         tool_turns = sum(m["role"] == "tool" for m in messages)
         if tool_turns == 0:
-            cmd = "sleep 30" if hang else f"grep -rn -A5 'def {function}' mathkit"
+            cmd = "sleep 30" if hang else f"grep -r -A5 'def {function}' mathkit"
             return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": cmd})}])
         if tool_turns == 1:
             return MockReply(tool_calls=[{"name": "bash", "arguments": json.dumps({"cmd": fixes[function]})}])
@@ -87,3 +87,19 @@ async def test_no_submit_scores_zero_and_a_hanging_command_is_cut_off(tmp_path: 
         assert [r.reward for r in summary.rollouts] == [1.0]  # the fix still landed after the cut-off command
         assert "(killed after 0.5 s)" in mock.requests[1]["messages"][3]["content"]
     assert not any((tmp_path / "boxes").iterdir())
+
+
+def test_gpu_recipe_and_third_party_agent_load() -> None:
+    """The README's GPU config validates (verl + launched vLLM servers) and both of its agents load."""
+    from lightning_sdk.trainer.config import load_train_config
+
+    config = load_train_config(EXAMPLE / "train_gpu.toml")
+    assert (config.backend, config.engine.kind, config.engine.launch) == ("verl", "vllm", True)
+    assert config.verl["n_gpus"] == 4 and config.engine.gpus == [[4], [5], [6], [7]]
+    gpu = la.load_agent(f"{EXAMPLE / 'agent_gpu.py'}:agent")
+    mini = la.load_agent(f"{EXAMPLE / 'agent_mini.py'}:agent")
+    assert isinstance(gpu, la.CommandAgent) and isinstance(mini, la.CommandAgent)
+    assert gpu.sandbox is not None and gpu.sandbox.limits.wall_s == 900
+    assert mini.command[:4] == ["mini", "-y", "-m", "openai/policy"] and mini.fail_on_error is False
+    overridden = load_train_config(EXAMPLE / "train_gpu.toml", {"agent": "agent_mini.py:agent"})
+    assert overridden.agent == "agent_mini.py:agent"

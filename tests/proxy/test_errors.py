@@ -170,12 +170,17 @@ def test_upstream_4xx_is_passed_on_without_retry(px: ProxyHandle, mock: MockOpen
     assert mock.n_requests - before == 1
 
 
-def test_502_when_the_upstream_is_unreachable(tmp_path: Path) -> None:
+def test_503_with_retry_after_while_the_upstream_has_never_answered(tmp_path: Path) -> None:
+    """The proxy starts before its upstream: until the upstream first answers, calls get 503 + Retry-After (an
+    upstream that was up and then fails gets 502 after retries: tests/proxy/test_faulty_upstream.py)."""
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with run_proxy(dead, store_path=tmp_path / "s.db") as px:
         s = px.session()
-        err = _error(_post(px, s["token"], CHAT), 502)
-        assert "ClientConnectorError" in err["message"] or "Connect" in err["message"]
+        r = _post(px, s["token"], CHAT)
+        err = _error(r, 503)
+        assert "not reachable yet" in err["message"] and "Connect" in err["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        assert px.http.get("/lightning/v1/health").json()["upstream"]["state"] == "waiting"
         assert _error(px.http.get("/v1/models"), 502)
 
 

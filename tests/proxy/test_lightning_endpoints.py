@@ -54,11 +54,16 @@ def test_reward_finish_and_rollout_detail(px: ProxyHandle) -> None:
 
     done = px.finish(s["token"])
     assert done.status_code == 200
-    assert done.json() == {
+    answer = done.json()
+    assert answer.pop("inflight")["aborted"] == 0
+    assert answer == {
         "rollout_id": s["rollout_id"],
         "attempt_id": s["attempt_id"],
         "status": "succeeded",
         "calls": 1,
+        "calls_failed": 0,
+        "calls_not_recorded": 0,
+        "rewards_not_recorded": 0,
     }
 
     d = px.rollout(s["rollout_id"])

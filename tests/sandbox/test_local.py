@@ -238,3 +238,37 @@ async def test_live_owners_sandboxes_are_not_reaped(backend: LocalBackend) -> No
     async with await backend.create(FILES) as box:
         assert reap_leftovers(backend.root) == 0
         assert Path(box.path).exists()
+
+
+async def test_cancelled_create_leaves_nothing(backend: LocalBackend) -> None:
+    """A creation cancelled mid-way (a released attempt) waits for its thread, then removes what it made."""
+    for delay in (0.0, 0.001, 0.005, 0.02):
+        task = asyncio.create_task(backend.create(FILES))
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            box = await task
+        except asyncio.CancelledError:
+            continue
+        await box.close()  # it finished before the cancel landed
+    assert backend.active() == 0 and list(backend.root.iterdir()) == []
+
+
+UNCLOSED = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from lightning_sdk.sandbox import LocalBackend
+    async def main():
+        box = await LocalBackend(root=sys.argv[1]).create({"a.txt": "x"})
+        proc = await box.start(["sleep", "300"])
+        print(json.dumps({"dir": str(box.directory), "pid": proc.pid}), flush=True)
+    asyncio.run(main())  # the loop ends with the sandbox open
+    """
+)
+
+
+def test_sandboxes_left_open_are_removed_at_interpreter_exit(tmp_path: Path) -> None:
+    out = subprocess.run([PY, "-c", UNCLOSED, str(tmp_path / "boxes")], capture_output=True, text=True, timeout=60)
+    info = json.loads(out.stdout.splitlines()[0])
+    assert _wait_dead(info["pid"])
+    assert not Path(info["dir"]).exists()

@@ -31,7 +31,8 @@ async def test_every_route_needs_the_admin_key(served: tuple[ServerThread, SQLit
             resp = await client.get("/counts", headers=headers)
             assert resp.status_code == 401
             err = resp.json()["error"]
-            assert err["type"] == "authentication_error" and err["code"] == "invalid_admin_key"
+            assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"  # one table
+            assert resp.headers["x-should-retry"] == "false"
             assert "admin key" in err["message"]
             resp = await client.post("/enqueue", json={"tasks": [{"q": 1}]}, headers=headers)
             assert resp.status_code == 401
@@ -67,8 +68,10 @@ async def test_error_codes_and_shape(served: tuple[ServerThread, SQLiteStore]) -
         assert resp.json()["error"] == {
             "message": resp.json()["error"]["message"],
             "type": "conflict_error",
+            "param": None,
             "code": "invalid_transition",
         }
+        assert resp.headers["x-should-retry"] == "false"
         assert "succeeded" in resp.json()["error"]["message"]
         detail = RolloutDetail.model_validate(
             (await client.get(f"/rollouts/{claim['rollout']['rollout_id']}")).json()["detail"]

@@ -162,6 +162,9 @@ def test_messages_auth_errors_and_count_tokens(tmp_path: Path) -> None:
             headers={"x-api-key": s["token"], "anthropic-version": "2023-06-01"},
         )
         assert r.status_code == 200 and r.json()["content"] == [{"type": "text", "text": "Hi."}]
+        for path, headers in [("/v1/models", {"x-api-key": s["token"]}), (f"/t/{s['token']}/v1/models", {})]:
+            listed = httpx.get(px.url + path, headers=headers)  # GET /v1/models on every auth form
+            assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["policy"]
         client = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
         with pytest.raises(anthropic.BadRequestError) as bad_request:
             client.messages.create(model="policy", max_tokens=0, messages=msgs)  # type: ignore[arg-type]

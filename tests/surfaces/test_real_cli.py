@@ -12,6 +12,7 @@ engine: Claude Code's prompt is far past its context, and the refusal must be cl
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -160,3 +161,36 @@ def test_cli_episode_in_token_mode_over_the_qwen3_template(cli_bin: Path, tmp_pa
 
 
 _API = {"claude": "messages", "codex": "responses"}
+
+
+def test_claude_code_prompt_past_the_tiny_policy_context_is_refused_cleanly(cli_bin: Path, tmp_path: Path) -> None:
+    """Token mode with a tiny policy (1024 positions) on the embedded engine: Claude Code's prompt (~35k of its
+    tokens) does not fit. The proxy refuses it in Anthropic's shape ("prompt is too long"), the engine never sees
+    it, every refused call is recorded with its error (never trained), and the CLI shows its own error."""
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
+    from lightning_sdk.tokens import ChatRenderer
+    from tests.support.proxy import run_proxy
+    from tests.trainer.tiny import build_small_policy
+
+    engine = EmbeddedEngine.from_pretrained(build_small_policy(tmp_path / "policy"), max_batch_size=4)
+    config = TokenModeConfig(max_model_len=1024)
+    backend = TokenModeBackend(engine, ChatRenderer(engine.tokenizer), config=config)
+    try:
+        with run_proxy(policy_backend=backend, store_path=tmp_path / "store.db") as px:
+            s = px.session({"cli": "claude", "mode": "token"})
+            env = {"ANTHROPIC_BASE_URL": px.url, "ANTHROPIC_AUTH_TOKEN": s["token"], "DISABLE_TELEMETRY": "1"}
+            argv = [str(cli_bin / "claude"), "-p", "Print 6*7 with the shell.", "--model", "policy"]
+            proc = _run([*argv, "--allowedTools", "Bash"], tmp_path, env)
+            calls = recorded_calls(px, s["rollout_id"])
+    finally:
+        asyncio.run(engine.close())
+    assert proc.returncode == 1
+    # the CLI's own message for this refusal ("Prompt is too long · this conversation is a single exchange and
+    # cannot be compacted ..."): it recognised the error and did not retry
+    assert proc.stdout.startswith("Prompt is too long"), proc.stdout + proc.stderr
+    assert engine.stats["requests"] == 0  # the engine never saw a prompt that does not fit
+    assert len(calls) == 1 and calls[0].error and "maximum context length is 1024" in calls[0].error
+    assert calls[0].checks["error_code"] == "context_length_exceeded" and calls[0].checks["http_status"] == 400
+    assert calls[0].completion_ids == [] and calls[0].request["surface"]["api"] == "messages"
+    assert calls[0].request["surface"]["headers"]["x-claude-code-session-id"]

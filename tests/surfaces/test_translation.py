@@ -248,3 +248,145 @@ def test_an_engine_context_refusal_reads_prompt_is_too_long_on_the_messages_rout
         assert refused.value.code == "context_length_exceeded"
         calls = recorded_calls(px, s["rollout_id"])
     assert len(calls) == 2 and all(c.error and c.completion_ids == [] for c in calls)
+
+
+def test_replies_cut_by_the_token_limit(tmp_path: Path) -> None:
+    """A reply cut by ``max_tokens`` / ``max_output_tokens``: ``stop_reason: "max_tokens"`` on Messages, an
+    ``incomplete`` response (``response.incomplete`` when streamed) on Responses; the ids are recorded as sampled."""
+    from tests.surfaces.conftest import token_proxy
+
+    with token_proxy(tmp_path, [30, 30, 30]) as (px, engine):  # random vocabulary tokens, longer than the limit
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        cut = claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "Talk."}])
+        assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 5
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        r = client.responses.create(model="policy", input="Talk.", max_output_tokens=5)
+        assert r.status == "incomplete" and r.incomplete_details is not None
+        assert r.incomplete_details.reason == "max_output_tokens"
+        events = [
+            e.type for e in client.responses.create(model="policy", input="Talk.", max_output_tokens=5, stream=True)
+        ]
+        assert events[-1] == "response.incomplete" and "response.completed" not in events
+        calls = recorded_calls(px, s["rollout_id"])
+    assert [c.finish_reason for c in calls] == ["length"] * 3
+    assert [c.completion_ids for c in calls] == engine.sampled and all(len(ids) == 5 for ids in engine.sampled)
+
+
+def test_records_cli_exports_surface_episodes_like_chat_ones(tmp_path: Path) -> None:
+    """``lightning-sdk records`` over a store holding a Messages episode and a Responses episode (each a tool call
+    and an answer): one record each, every sampled token trained, nothing retokenized (the fidelity report)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.surfaces.upstream import ScriptedReply
+
+    script = [ScriptedReply(tool_calls=[("get", "{}")]), ScriptedReply("done")] * 2
+    with passthrough_proxy(tmp_path, script) as (px, upstream):
+        a = px.session({"q": "messages"})
+        claude = anthropic.Anthropic(base_url=px.url, api_key=a["token"], max_retries=0)
+        tools = [{"name": "get", "input_schema": {"type": "object"}}]
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+        first = claude.messages.create(model="policy", max_tokens=50, messages=msgs, tools=tools)  # type: ignore[arg-type]
+        msgs.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
+        result = {"type": "tool_result", "tool_use_id": first.content[-1].id, "content": "x"}  # type: ignore[union-attr]
+        msgs.append({"role": "user", "content": [result]})
+        claude.messages.create(model="policy", max_tokens=50, messages=msgs, tools=tools)  # type: ignore[arg-type]
+        b = px.session({"q": "responses"})
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=b["token"], max_retries=0)
+        fn = [{"type": "function", "name": "get", "parameters": {"type": "object", "properties": {}}}]
+        r1 = client.responses.create(model="policy", input="go", tools=fn)  # type: ignore[arg-type]
+        output = {"type": "function_call_output", "call_id": r1.output[0].call_id, "output": "x"}  # type: ignore[union-attr]
+        client.responses.create(model="policy", previous_response_id=r1.id, input=[output], tools=fn)  # type: ignore[arg-type, list-item]
+        for s in (a, b):
+            assert px.reward(s["token"], 1.0).status_code == 200 and px.finish(s["token"]).status_code == 200
+    out, report = tmp_path / "records.jsonl", tmp_path / "report.json"
+    argv = [sys.executable, "-m", "lightning_sdk", "records", "--store", str(tmp_path / "store.db"), "--out", str(out)]
+    proc = subprocess.run([*argv, "--report", str(report), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["segment"] == 0 and r["split_reason"] is None for r in rows)
+    n_completion = sum(len(completion) for _, completion, _ in upstream.sampled)
+    for row in rows:
+        assert row["input_ids"] in [p + c for p, c, _ in upstream.sampled[1::2]]  # the last call's prompt + reply
+    summary = json.loads(report.read_text())["summary"]
+    assert summary["calls"] == summary["trained_calls"] == 4 and summary["records"] == 2
+    assert summary["tokens_trained"] == sum(sum(r["loss_mask"]) for r in rows) == n_completion
+    assert summary["retokenized_calls"] == summary["text_only_calls"] == 0 and summary["split_reasons"] == {}
+
+
+def test_finish_waits_for_a_surface_call_in_flight(tmp_path: Path) -> None:
+    """The finish barrier covers the surfaces: a streamed Messages call still being served when the agent posts
+    finish is recorded before finish answers; a call after finish gets 409 in Anthropic's shape."""
+    import threading
+
+    from tests.support.proxy import run_proxy
+    from tests.support.servers import run_server
+    from tests.surfaces.upstream import ScriptedReply, ScriptedUpstream
+
+    upstream = ScriptedUpstream([ScriptedReply("slow answer")], delay_s=1.0)
+    with run_server(upstream.app) as srv, run_proxy(srv.url + "/v1", store_path=tmp_path / "store.db") as px:
+        s = px.session()
+        claude = anthropic.Anthropic(base_url=px.url, api_key=s["token"], max_retries=0)
+        texts: list[str] = []
+
+        def call() -> None:
+            with claude.messages.stream(
+                model="policy", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+            ) as st:
+                texts.append(st.get_final_text())
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        while not upstream.requests:  # the call reached the engine: it is in flight
+            threading.Event().wait(0.01)
+        finished = px.finish(s["token"])
+        worker.join()
+        assert finished.status_code == 200 and finished.json()["calls"] == 1 and texts == ["slow answer"]
+        detail = px.call(px.store.get_rollout(s["rollout_id"]))
+        assert [c.error for c in detail.attempts[0].calls] == [None]  # committed before finish answered
+        with pytest.raises(anthropic.ConflictError) as late:
+            claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "again"}])
+        assert late.value.body["type"] == "error"  # type: ignore[index]
+
+
+def test_a_turn_known_only_by_its_encrypted_content_gets_the_recorded_reply_back() -> None:
+    """Codex with ``store: false`` sends an earlier reasoning item back as its opaque ``encrypted_content`` (the
+    summary may be dropped, the function call re-serialised): the proxy resolves the reference to the call it
+    recorded and puts that call's reply (reasoning, arguments exactly as sampled) back into the conversation."""
+    from lightning_sdk.types import Call
+
+    sampled = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Check the disk first.",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "sh", "arguments": '{"cmd":"df"}'}}],
+    }
+    shown = Reply.from_chat({"choices": [{"message": sampled}]}).shown()
+    call = Call(
+        call_id="call-rec1",
+        attempt_id="at",
+        rollout_id="ro",
+        model="policy",
+        request={"messages": [{"role": "user", "content": "disk?"}], "surface": {"api": "responses", "shown": shown}},
+        response={"choices": [{"index": 0, "message": sampled, "finish_reason": "tool_calls"}]},
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-0.1, -0.2],
+    )
+    body = {
+        "model": "policy",
+        "input": [
+            {"type": "message", "role": "user", "content": "disk?"},
+            {"type": "reasoning", "summary": [], "encrypted_content": opaque_ref("call-rec1", "reasoning")},
+            {"type": "function_call", "call_id": "call_a", "name": "sh", "arguments": '{"cmd": "df"}'},
+            {"type": "function_call_output", "call_id": "call_a", "output": "90% used"},
+        ],
+    }
+    t = ResponsesSurface().translate(body, PriorReplies([call]), "call-new")
+    assert t.chat["messages"][1] == sampled  # the recorded reply, not the re-serialised one without reasoning
+    edited = dict(body, input=[*body["input"][:2], {**body["input"][2], "arguments": '{"cmd": "rm -rf /"}'}])
+    t2 = ResponsesSurface().translate(edited, PriorReplies([call]), "call-new2")
+    assert t2.chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"cmd": "rm -rf /"}'  # kept as sent
+    assert "reasoning_content" not in t2.chat["messages"][1]

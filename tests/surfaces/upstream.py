@@ -65,8 +65,11 @@ def render(messages: list[dict[str, Any]]) -> str:
 class ScriptedUpstream:
     """``POST /v1/chat/completions`` answering ``script`` in order (a callable gets the body and returns a reply)."""
 
-    def __init__(self, script: list[ScriptedReply | Callable[[dict[str, Any]], ScriptedReply]]) -> None:
+    def __init__(
+        self, script: list[ScriptedReply | Callable[[dict[str, Any]], ScriptedReply]], *, delay_s: float = 0.0
+    ) -> None:
         self.script = list(script)
+        self.delay_s = delay_s  # wait before answering (a slow engine)
         self.requests: list[dict[str, Any]] = []
         self.sampled: list[tuple[list[int], list[int], list[float]]] = []  # (prompt ids, completion ids, logprobs)
         self._ids = itertools.count(1)
@@ -83,6 +86,8 @@ class ScriptedUpstream:
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if not self.script:
             return JSONResponse({"error": {"message": "script exhausted", "type": "server_error"}}, status_code=500)
         step = self.script.pop(0)

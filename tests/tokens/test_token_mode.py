@@ -32,7 +32,7 @@ from tests.support.servers import run_server, serve_async
 from tests.tokens.conversations import TOOLS, Message, assistant, renderer_for, reply_ids, tool_call
 
 ADMIN = "admin-key-token-mode"
-Plan = Message | int  # a scripted reply message, or a number of random vocabulary tokens
+Plan = Message | int | list[int]  # a scripted reply message, a number of random vocabulary tokens, or exact ids
 
 
 class ScriptedEngine:
@@ -43,6 +43,7 @@ class ScriptedEngine:
         self.plans = list(plans)
         self.version = version
         self.rng = random.Random(seed)
+        self.max_model_len: int | None = None  # what the proxy reads as the policy's context (None: unknown)
         self.received: list[list[int]] = []
         self.sampled: list[list[int]] = []
         self.logprobs: list[list[float]] = []
@@ -59,6 +60,8 @@ class ScriptedEngine:
         if isinstance(plan, int):
             stop = min(self.renderer.stop_token_ids)
             ids = [self.rng.choice(self.vocab) for _ in range(plan)] + [stop]
+        elif isinstance(plan, list):
+            ids = list(plan)
         else:
             ids = reply_ids(self.renderer, [{"role": "user", "content": "x"}], plan, None)
         finish = "stop"
@@ -320,3 +323,213 @@ async def test_completions_and_request_errors() -> None:
         await refusing.chat(two_users, _ctx())
     assert err.value.status == 400 and "alternate" in err.value.message
     assert await backend.models() == ["policy"]
+
+
+# -- the rules of token mode (issue 9 §1), through the real proxy with the real Qwen3 template ----------------------
+QWEN3_TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+async def _serve(engine: ScriptedEngine, tmp_path: Any) -> tuple[Any, SQLiteStore]:
+    backend = TokenModeBackend(engine, engine.renderer)  # type: ignore[arg-type]
+    store = SQLiteStore(tmp_path / "rules.db")
+    return create_app(store, policy_backend=backend, admin_key=ADMIN), store
+
+
+async def test_context_length_is_refused_and_max_tokens_clipped(tmp_path: Any) -> None:
+    """A prompt that does not fit the policy's context answers 400 ``context_length_exceeded`` (as vLLM does) and
+    is recorded with that error (never trained); ``max_tokens`` beyond what remains is clipped (finish length)."""
+    renderer = renderer_for("qwen3")
+    engine = ScriptedEngine(renderer, [50, 50])
+    short = [{"role": "user", "content": "Hi"}]
+    n_short = len(renderer.render(short))
+    engine.max_model_len = n_short + 8
+    app, store = await _serve(engine, tmp_path)
+    async with serve_async(app) as srv:
+        session = await _session(srv.url)
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)
+        long = [{"role": "user", "content": "word " * 200}]
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model="policy", messages=long)  # type: ignore[arg-type]
+        assert err.value.code == "context_length_exceeded" and err.value.param == "messages"
+        assert f"maximum context length is {n_short + 8} tokens" in err.value.message
+        r = await client.chat.completions.create(model="policy", messages=short, max_tokens=500)  # type: ignore[arg-type]
+        assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 8
+        assert engine.sampling[0].max_tokens == 8  # clipped to the room left, not 500
+        with pytest.raises(openai.BadRequestError):  # refused before the stream starts: a status, not an event
+            await client.chat.completions.create(model="policy", messages=long, stream=True)  # type: ignore[arg-type]
+        await _finish(srv.url, session["token"])
+        detail = await store.get_rollout(session["rollout_id"])
+    await store.close()
+    calls = sorted(detail.attempts[0].calls, key=lambda c: c.seq)
+    assert [c.error is None for c in calls] == [False, True, False]
+    refused = calls[0]
+    assert refused.checks["error_code"] == "context_length_exceeded" and refused.checks["http_status"] == 400
+    assert refused.completion_ids == [] and refused.response == {}
+    assert len(engine.received) == 1  # the engine never saw the prompts that do not fit
+    assert len(calls[1].prompt_ids) + len(calls[1].completion_ids) == n_short + 8
+    from lightning_sdk.records.segments import merge_attempt
+
+    merged = merge_attempt(calls)
+    assert merged.stats.failed_calls == 2 and merged.stats.trained_calls == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_calls_are_parsed_only_when_tools_are_offered(tmp_path: Any, stream: bool) -> None:
+    """A reply that writes ``<tool_call>`` text stays ``content`` when the request offers no tools or says
+    ``tool_choice: "none"``; with tools offered (auto) the same ids become ``message.tool_calls``."""
+    renderer = renderer_for("qwen3")
+    reply = renderer.encode("Let me see.\n" + QWEN3_TOOL_CALL + "<|im_end|>")
+    engine = ScriptedEngine(renderer, [list(reply), list(reply), list(reply)])
+    app, store = await _serve(engine, tmp_path)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    results = []
+    async with serve_async(app) as srv:
+        session = await _session(srv.url)
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)
+        for extra in ({}, {"tools": TOOLS, "tool_choice": "none"}, {"tools": TOOLS}):
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="policy",
+                    messages=msgs,  # type: ignore[arg-type]
+                    stream=True,
+                    **extra,  # type: ignore[arg-type]
+                )
+                asm = ChatStreamAssembler()
+                async for c in chunks:
+                    asm.feed(c.model_dump(exclude_none=True))
+                choice = asm.response()["choices"][0]
+                results.append((choice["message"], choice["finish_reason"]))
+            else:
+                r = await client.chat.completions.create(model="policy", messages=msgs, **extra)  # type: ignore[arg-type]
+                results.append((r.choices[0].message.model_dump(exclude_none=True), r.choices[0].finish_reason))
+        await _finish(srv.url, session["token"])
+    await store.close()
+    for message, finish in results[:2]:
+        assert finish == "stop" and not message.get("tool_calls")
+        assert message["content"] == "Let me see.\n" + QWEN3_TOOL_CALL
+    message, finish = results[2]
+    assert finish == "tool_calls" and message["content"] == "Let me see."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "forced", "sampled"),
+    [
+        ("required", "<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            '<tool_call>\n{"name": "get_weather", "arguments": ',
+            '{"city": "Paris"}}\n</tool_call>',
+        ),
+    ],
+)
+async def test_tool_choice_required_and_named_are_forced_and_never_trained(
+    tmp_path: Any, tool_choice: Any, forced: str, sampled: str
+) -> None:
+    """``tool_choice: "required"`` / a named function force the Qwen3 template's tool-call opening (and name) as a
+    prompt suffix: the engine continues from it, the reply is a tool call, and the forced tokens are recorded in
+    the prompt (loss mask 0), not among the sampled ids."""
+    renderer = renderer_for("qwen3")
+    sampled_ids = renderer.encode(sampled + "<|im_end|>")
+    engine = ScriptedEngine(renderer, [list(sampled_ids)])
+    app, store = await _serve(engine, tmp_path)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    async with serve_async(app) as srv:
+        session = await _session(srv.url)
+        client = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)
+        r = await client.chat.completions.create(
+            model="policy",
+            messages=msgs,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=tool_choice,
+        )
+        await _finish(srv.url, session["token"])
+        detail = await store.get_rollout(session["rollout_id"])
+    await store.close()
+    assert r.choices[0].finish_reason == "tool_calls"
+    (tc,) = r.choices[0].message.tool_calls or []
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+    forced_ids = renderer.encode(forced)
+    assert engine.received[0] == renderer.render(msgs, TOOLS) + forced_ids  # the engine continued the opening
+    (call,) = detail.attempts[0].calls
+    assert call.prompt_ids == engine.received[0] and call.completion_ids == sampled_ids
+    from lightning_sdk.records.segments import merge_attempt
+
+    (segment,) = merge_attempt([call]).segments
+    n_prompt = len(call.prompt_ids)
+    assert list(segment.loss_mask[:n_prompt]) == [0] * n_prompt  # forced tokens: mask 0
+    assert list(segment.loss_mask[n_prompt:]) == [1] * len(sampled_ids)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"top_logprobs": 30}, "top_logprobs"),
+    ],
+)
+def test_invalid_parameters_are_400_naming_the_parameter(tmp_path: Any, extra: dict[str, Any], param: str) -> None:
+    """Out-of-range or mistyped parameters are refused with 400 naming them (never a 500), before any engine work;
+    they are not recorded (the call never got a place in the attempt)."""
+    renderer = renderer_for("qwen3")
+    engine = ScriptedEngine(renderer, [])
+    store = SQLiteStore(tmp_path / "v.db")
+    app = create_app(store, policy_backend=TokenModeBackend(engine, renderer), admin_key=ADMIN)  # type: ignore[arg-type]
+    with run_server(app) as srv:
+        session = srv.call(_session(srv.url))
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **extra}
+        r = httpx.post(
+            f"{srv.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {session['token']}"}
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+        srv.call(_finish(srv.url, session["token"]))
+        detail = srv.call(store.get_rollout(session["rollout_id"]))
+        srv.call(store.close())
+    assert engine.received == [] and detail.attempts[0].calls == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ],
+)
+def test_parameters_the_engine_cannot_honour_are_refused_and_recorded_as_failed(
+    tmp_path: Any, extra: dict[str, Any], param: str
+) -> None:
+    """Valid parameters the embedded engine cannot honour (no guided decoding, one choice, no top alternatives,
+    no penalties) are a clear 400 naming them; the call is recorded with that error, never as an empty success."""
+    renderer = renderer_for("qwen3")
+    engine = ScriptedEngine(renderer, [3])
+    store = SQLiteStore(tmp_path / "h.db")
+    app = create_app(store, policy_backend=TokenModeBackend(engine, renderer), admin_key=ADMIN)  # type: ignore[arg-type]
+    with run_server(app) as srv:
+        session = srv.call(_session(srv.url))
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="policy", messages=msgs, **extra)  # type: ignore[arg-type]
+        assert err.value.param == param
+        ok = client.chat.completions.create(model="policy", messages=msgs, presence_penalty=0, logit_bias={})  # type: ignore[arg-type]
+        assert ok.choices[0].finish_reason == "stop"  # default values are served
+        srv.call(_finish(srv.url, session["token"]))
+        detail = srv.call(store.get_rollout(session["rollout_id"]))
+        srv.call(store.close())
+    refused, served = sorted(detail.attempts[0].calls, key=lambda c: c.seq)
+    assert refused.error is not None and param in refused.error and refused.checks["param"] == param
+    assert (refused.prompt_ids, refused.completion_ids, refused.response) == ([], [], {})
+    assert served.error is None and served.completion_ids == engine.sampled[0]

@@ -74,3 +74,27 @@ async def test_heartbeat_racing_the_finish_is_not_a_warning(tmp_path: Path, capl
     worker_records = [r for r in caplog.records if r.name == "lightning_sdk.agent.worker"]
     assert not [r for r in worker_records if r.levelno >= logging.WARNING], [r.getMessage() for r in worker_records]
     assert any("raced its finish" in r.getMessage() for r in worker_records if r.levelno == logging.DEBUG)
+
+
+async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> None:
+    """``lightning-sdk train`` enqueues train rollouts with the agent's ``max_attempts`` (a crashed harness is retried,
+    its failed attempt never trained), not the store's default of one try."""
+    import sqlite3
+
+    from lightning_sdk.trainer.config import load_train_config
+    from lightning_sdk.trainer.run import build_daemon
+    from tests.trainer.tiny import build_small_policy, write_config
+
+    model = build_small_policy(tmp_path / "policy", hidden=32, layers=2)
+    config = load_train_config(write_config(tmp_path / "train.toml", str(model), rl={"tasks_per_step": 2}))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    daemon, parts = build_daemon(config, run_dir, model, [{"question": "1+1", "answer": "2"}] * 4, max_attempts=3)
+    try:
+        await daemon.feed()
+    finally:
+        await parts.close()
+        await daemon.store.close()
+    db = sqlite3.connect(run_dir / "store.db")
+    rows = db.execute("SELECT split, max_attempts, COUNT(*) FROM rollouts GROUP BY 1, 2").fetchall()
+    assert rows == [("train", 3, 4 * config.rl.samples_per_task)]

@@ -94,7 +94,7 @@ def test_update_raises_the_likelihood_of_good_rows(policy_dir: Path) -> None:
         return float((lp * batch.advantages[:, 1:] * m).sum() / m.sum())
 
     start = objective()
-    losses = [learner.step(_with_rollout_logprobs(learner.model, batch))["loss"] for _ in range(8)]
+    losses = [learner.update(_with_rollout_logprobs(learner.model, batch))["loss"] for _ in range(8)]
     assert objective() > start + 0.05
     assert all(torch.isfinite(torch.tensor(losses)))
     assert learner.steps == 8
@@ -104,9 +104,9 @@ def test_on_policy_importance_weights_are_one_and_off_policy_are_capped(policy_d
     model, _ = load_policy(policy_dir)
     learner = Learner(model, LearnerConfig(lr=1e-4, tis_cap=2.0))
     on = _with_rollout_logprobs(model, _batch(1))
-    assert learner.step(on)["is_weight"] == pytest.approx(1.0, abs=1e-4)
+    assert learner.update(on)["is_weight"] == pytest.approx(1.0, abs=1e-4)
     off = TrainBatch(on.input_ids, on.attention_mask, on.loss_mask, on.logprobs - 5.0 * on.loss_mask, on.advantages)
-    assert learner.step(off)["is_weight"] == pytest.approx(2.0, abs=1e-4)
+    assert learner.update(off)["is_weight"] == pytest.approx(2.0, abs=1e-4)
 
 
 def test_micro_batches_give_the_same_update(policy_dir: Path) -> None:
@@ -114,7 +114,7 @@ def test_micro_batches_give_the_same_update(policy_dir: Path) -> None:
     batch = _with_rollout_logprobs(model, _batch(2))
     whole = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_tokens=10_000))
     split = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_tokens=30))
-    a, b = whole.step(batch), split.step(batch)
+    a, b = whole.update(batch), split.update(batch)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     for (k, pa), (_, pb) in zip(whole.model.state_dict().items(), split.model.state_dict().items(), strict=True):
@@ -125,8 +125,8 @@ def test_kl_to_reference_is_reported(policy_dir: Path) -> None:
     model, _ = load_policy(policy_dir)
     learner = Learner(model, LearnerConfig(lr=1e-2, warmup_steps=1, kl_coef=0.1))
     batch = _with_rollout_logprobs(model, _batch(3))
-    first = learner.step(batch)
-    second = learner.step(_with_rollout_logprobs(learner.model, batch))
+    first = learner.update(batch)
+    second = learner.update(_with_rollout_logprobs(learner.model, batch))
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert second["kl_ref"] > 0.0
 
@@ -134,11 +134,11 @@ def test_kl_to_reference_is_reported(policy_dir: Path) -> None:
 def test_state_dict_round_trip_resumes_exactly(policy_dir: Path) -> None:
     model, _ = load_policy(policy_dir)
     a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=3))
-    a.step(_with_rollout_logprobs(a.model, _batch(4)))
+    a.update(_with_rollout_logprobs(a.model, _batch(4)))
     b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=3))
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     nxt = _with_rollout_logprobs(a.model, _batch(5))
-    ma, mb = a.step(nxt), b.step(nxt)
+    ma, mb = a.update(nxt), b.update(nxt)
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-7) and ma["lr"] == mb["lr"]
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
@@ -156,10 +156,10 @@ def test_one_update_per_step_never_clips_several_updates_do(policy_dir: Path) ->
     model, _ = load_policy(policy_dir)
     batch = _with_rollout_logprobs(model, _batch(3))
     single = Learner(copy.deepcopy(model), LearnerConfig(lr=3e-2, warmup_steps=1))
-    one = single.step(batch)
+    one = single.update(batch)
     assert one["updates"] == 1 and one["clip_frac"] == 0.0 and one["ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     several = Learner(copy.deepcopy(model), LearnerConfig(lr=3e-2, warmup_steps=1, ppo_epochs=3, mini_batches=2))
-    out = several.step(batch)
+    out = several.update(batch)
     assert out["updates"] == 6 and several.steps == 1
     assert out["clip_frac"] > 0.0  # later updates moved past 1 +- 0.2 and were clipped
     assert out["tokens"] == float(batch.loss_mask[:, 1:].sum())
@@ -172,8 +172,36 @@ def test_precomputed_old_logprobs_give_the_single_update(policy_dir: Path) -> No
     batch = _with_rollout_logprobs(model, _batch(4))
     a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
     b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
-    ra = a.step(batch)
+    ra = a.update(batch)
     rb = b._update(batch, list(range(batch.input_ids.shape[0])), b._logprobs(batch))
     assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_step_takes_records_and_builds_its_own_batch(policy_dir: Path) -> None:
+    """The learner protocol is ``step(records)``: the embedded learner pads them itself (``train_batch``, advantages
+    weighted by each row's share of its rollout), the same update as ``update`` on that batch."""
+    import numpy as np
+
+    from lightning_sdk.records.record import CallSpan, Record, Segment
+    from lightning_sdk.trainer.learner import train_batch
+
+    model, _ = load_policy(policy_dir)
+    records = []
+    for i, n in enumerate([9, 12, 7]):
+        ids = np.arange(10, 10 + n, dtype=np.int32) + i
+        mask = np.array([0] * 4 + [1] * (n - 4), dtype=np.int8)
+        seg = Segment(attempt_id=f"a{i}", rollout_id=f"r{i}", index=0, input_ids=ids, loss_mask=mask,
+                      logprobs=-0.5 * mask.astype(np.float64),
+                      spans=(CallSpan(call_id=f"c{i}", seq=0, start=4, end=n, policy_version=0),))  # fmt: skip
+        records.append(Record(seg, "g", float(i % 2), (1.0 if i % 2 else -1.0) * mask, weight=0.5 + 0.25 * i))
+    batch = train_batch(records, pad_id=0)
+    assert batch.input_ids.shape == (3, 12) and batch.input_ids[2, 7:].tolist() == [0] * 5
+    assert batch.advantages[2, 4:7].tolist() == pytest.approx([-1.0] * 3)  # weight 1.0
+    assert batch.advantages[1, 4:].tolist() == pytest.approx([0.75] * 8)
+    a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
+    b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
+    assert a.step(records)["loss"] == pytest.approx(b.update(batch)["loss"], abs=1e-6)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)

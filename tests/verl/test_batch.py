@@ -8,8 +8,21 @@ import torch
 from verl import DataProto
 
 from lightning_sdk.errors import RecordError
+from lightning_sdk.records import build_records
 from lightning_sdk.records.record import CallSpan, Record, Segment
 from lightning_sdk.trainer.verl.batch import TrainRow, dataproto_to_rows, records_to_dataproto, rows_from_records
+from lightning_sdk.types import Attempt as AttemptRow
+from lightning_sdk.types import (
+    AttemptDetail,
+    AttemptStatus,
+    FinishedGroup,
+    Group,
+    Reward,
+    Rollout,
+    RolloutDetail,
+    RolloutStatus,
+)
+from tests.records.calls import Attempt as CallsOf
 
 
 def _record(ids: list[int], mask: list[int], lps: list[float], adv: float, group: str, attempt: str) -> Record:
@@ -120,3 +133,41 @@ def test_bad_records_raise() -> None:
         TrainRow(input_ids=[1, 2, 3], loss_mask=[0, 1], logprobs=[0, 0, 0], advantages=[0, 0, 0], reward=0, group="")
     with pytest.raises(RecordError, match="no records"):
         records_to_dataproto([])
+
+
+def _finished_group(gid: str, rewards: list[float]) -> FinishedGroup:
+    """A group of single-call rollouts with the given outcome rewards, as the store hands them to the trainer."""
+    details = []
+    for i, value in enumerate(rewards):
+        rid, aid = f"{gid}-r{i}", f"{gid}-r{i}-a0"
+        calls = CallsOf(aid, rid)
+        calls.call([1, 2, 3, 10 + i], [50 + i, 60, 61 + i])
+        attempt = AttemptRow(attempt_id=aid, rollout_id=rid, index=0, token=f"t-{aid}", status=AttemptStatus.SUCCEEDED)
+        reward = Reward(rollout_id=rid, attempt_id=aid, value=value)
+        rollout = Rollout(rollout_id=rid, group_id=gid, task={"q": gid}, status=RolloutStatus.SUCCEEDED)
+        details.append(
+            RolloutDetail(
+                rollout=rollout, attempts=[AttemptDetail(attempt=attempt, calls=calls.calls, rewards=[reward])]
+            )
+        )
+    return FinishedGroup(Group(group_id=gid, task={"q": gid}, n=len(rewards)), details)
+
+
+def test_verl_batch_of_built_records_carries_uids_and_scores_and_verls_grpo_agrees() -> None:
+    """Records built from finished groups → ``records_to_dataproto``: ``uid`` is the group, ``token_level_scores``
+    the reward on the last trained token, so verl's own GRPO over the batch gives our advantages."""
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    groups = [_finished_group("g-a", [1.0, 0.0, 0.0, 1.0]), _finished_group("g-b", [2.0, 0.5, 0.0])]
+    built = build_records(groups)
+    data = records_to_dataproto(built.records, pad_id=0)
+    nt, b = data.non_tensor_batch, data.batch
+    assert list(nt["uid"]) == [r.group_id for r in built.records] == ["g-a"] * 4 + ["g-b"] * 3
+    assert b["token_level_scores"].sum(-1).tolist() == [1.0, 0.0, 0.0, 1.0, 2.0, 0.5, 0.0]
+    last = b["response_mask"].shape[1] - 1 - b["response_mask"].flip(-1).argmax(-1)
+    assert all(b["token_level_scores"][i, last[i]] == b["token_level_scores"][i].sum() for i in range(len(data)))
+    verl_adv, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=b["token_level_rewards"], response_mask=b["response_mask"], index=nt["uid"]
+    )
+    torch.testing.assert_close(verl_adv, b["advantages"], rtol=1e-5, atol=1e-5)
+    assert b["advantages"].abs().sum() > 0

@@ -138,36 +138,38 @@ def test_kl_to_a_frozen_reference(tiny_model_dir: Path) -> None:
         backend.shutdown()
 
 
-def test_verl_learner_adapter_takes_the_daemons_train_batch(tis_backend: VerlBackend, tiny_model_dir: Path) -> None:
-    """The daemon's padded ``TrainBatch`` → rows → one verl step; ``weights()`` is a full HF state dict."""
-    from lightning_sdk.trainer.learner import TrainBatch
-    from lightning_sdk.trainer.verl.adapter import VerlLearner, rows_from_train_batch
+def test_verl_learner_takes_records_with_their_groups(tis_backend: VerlBackend, tiny_model_dir: Path) -> None:
+    """``VerlLearner.step(records)``: the records go to verl as they are (uid = group, reward as the score; no padded
+    detour); ``weights()`` is a full HF state dict."""
+    import numpy as np
 
-    rows = sample_rows(tiny_model_dir, seed=6)
-    width = max(len(r.input_ids) for r in rows) + 2
+    from lightning_sdk.records.record import CallSpan, Record, Segment
+    from lightning_sdk.trainer.verl.adapter import VerlLearner
+    from lightning_sdk.trainer.verl.batch import records_to_dataproto
 
-    def col(key: str, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.zeros(len(rows), width, dtype=dtype)
-        for i, r in enumerate(rows):
-            out[i, : len(r.input_ids)] = torch.tensor(getattr(r, key), dtype=dtype)
-        return out
-
-    attn = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        attn[i, : len(r.input_ids)] = 1
-    batch = TrainBatch(
-        input_ids=col("input_ids", torch.long),
-        attention_mask=attn,
-        loss_mask=col("loss_mask", torch.long),
-        logprobs=col("logprobs", torch.float32),
-        advantages=col("advantages", torch.float32),
-    )
-    back = rows_from_train_batch(batch)
-    assert [(r.input_ids, r.loss_mask) for r in back] == [(r.input_ids, r.loss_mask) for r in rows]
+    records = []
+    for i, r in enumerate(sample_rows(tiny_model_dir, seed=6)):
+        start = r.prompt_len
+        seg = Segment(
+            attempt_id=f"a{i}",
+            rollout_id=f"r{i}",
+            index=0,
+            input_ids=np.array(r.input_ids, dtype=np.int32),
+            loss_mask=np.array(r.loss_mask, dtype=np.int8),
+            logprobs=np.array(r.logprobs, dtype=np.float64),
+            spans=(CallSpan(call_id=f"c{i}", seq=0, start=start, end=len(r.input_ids), policy_version=0),),
+        )
+        adv = np.array(r.advantages, dtype=np.float64)
+        records.append(Record(segment=seg, group_id=r.group, reward=r.reward, advantages=adv))
+    sent = records_to_dataproto(records, pad_id=tis_backend.pad_id)
+    uids = [r.group_id for r in records]
+    assert list(sent.non_tensor_batch["uid"]) == uids and len(set(uids)) > 1
+    assert sent.batch["token_level_scores"].sum(-1).tolist() == [r.reward for r in records]
     learner = VerlLearner(tis_backend)
     version = tis_backend.version
-    metrics = learner.step(batch)
+    metrics = learner.step(records)
     assert learner.steps == 1 and tis_backend.version == version + 1 and metrics["grad_norm"] > 0
+    assert metrics["step/rows"] == len(records)
     weights = learner.weights()
     model, _ = load_policy(tiny_model_dir)
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -21,6 +21,7 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.http_errors import bearer_token, error_headers
 from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
@@ -80,17 +81,13 @@ def attempt_token(scope: Scope, path_token: str | None) -> str | None:
     """The attempt token: the path's ``/t/<token>`` wins, then ``Authorization: Bearer``, then ``x-api-key``."""
     if path_token:
         return path_token
-    api_key: str | None = None
-    name: bytes
-    value: bytes
+    token = bearer_token(scope["headers"])
+    if token:
+        return token
     for name, value in scope["headers"]:
-        if name == b"authorization":
-            text = value.decode("latin-1")
-            if text[:7].lower() == "bearer " and text[7:].strip():
-                return text[7:].strip()
-        elif name == b"x-api-key":
-            api_key = value.decode("latin-1").strip() or None
-    return api_key
+        if name == b"x-api-key":
+            return value.decode("latin-1").strip() or None
+    return None
 
 
 def session_headers(scope: Scope) -> dict[str, str]:
@@ -98,12 +95,12 @@ def session_headers(scope: Scope) -> dict[str, str]:
 
 
 async def send_error(send: Send, surface: Surface, err: ProxyHTTPError, call_id: str | None = None) -> None:
+    """Answer ``err`` in the surface's error shape (with the headers every error of its status carries)."""
     from lightning_sdk.proxy.app import CALL_ID_HEADER
 
     body = surface.error_body(err)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if err.status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
+    headers += error_headers(err.status) + err.headers
     if call_id is not None:
         headers.append((CALL_ID_HEADER, call_id.encode()))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -121,22 +118,52 @@ def _chunk_dict(item: StreamItem) -> dict[str, Any]:
 async def handle_surface(
     proxy: Any, surface: Surface, scope: Scope, receive: Receive, send: Send, path_token: str | None
 ) -> None:
-    """Serve one surface request on ``proxy`` (a ``lightning_sdk.proxy.app.Proxy``) and record it."""
-    from lightning_sdk.proxy import app as _app  # the app imports this package: bind its helpers at call time
+    """Serve one surface request on ``proxy`` (a ``lightning_sdk.proxy.app.Proxy``) and record it.
 
+    As for chat completions: a request refused before its attempt is known (bad JSON, a bad field, a bad token)
+    is not recorded; once the call has a ``seq`` it is recorded, with its error when it failed. The call counts as
+    in flight for the attempt's ``finish`` barrier from the moment its token is checked.
+    """
     started = now()
-    state = None
-    ctx: CallContext | None = None
-    t: Translation | None = None
-    result: ChatResult | None = None
-    error: str | None = None
-    watch = None
-    stream = False
     try:
         raw = await proxy._read_json(scope, receive)
         body = surface.validate(raw)
-        stream = bool(body.get("stream"))
         state = await proxy.attempts.resolve(attempt_token(scope, path_token))
+        state.enter()  # no await since resolve's check: finish sees this call or this call sees 409
+    except ProxyHTTPError as err:
+        await send_error(send, surface, err)
+        return
+    except LightningSDKError as exc:
+        await send_error(send, surface, from_sdk_error(exc))
+        return
+    try:
+        await _serve(proxy, surface, scope, receive, send, state, body, started)
+    finally:
+        state.leave()
+
+
+async def _serve(
+    proxy: Any,
+    surface: Surface,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    state: Any,
+    body: dict[str, Any],
+    started: float,
+) -> None:
+    from lightning_sdk.proxy import app as _app  # the app imports this package: bind its helpers at call time
+
+    out = _app._Sent(send)
+    ctx: CallContext | None = None
+    t: Translation | None = None
+    events: SurfaceStream | None = None
+    result: ChatResult | None = None
+    error: ProxyHTTPError | None = None
+    watch = None
+    task = asyncio.current_task()
+    stream = bool(body.get("stream"))
+    try:
         backend = proxy.backend_for(body["model"])
         seq = await state.take_seq(proxy.store)
         ctx = CallContext(
@@ -148,64 +175,72 @@ async def handle_surface(
             _earlier=_app._earlier(state, proxy.store, seq),
         )
         state.call_ids.add(ctx.call_id)
+        if task is not None:
+            state.tasks.add(task)
         t = surface.translate(body, PriorReplies(await ctx.earlier_calls()), ctx.call_id)
         validate_chat(t.chat)  # the checks chat completions get (names in errors are the chat form's)
         t.record["headers"] = session_headers(scope)
         if proxy.config.cancel_on_disconnect:
             watch = _app._HangUpWatch(receive, proxy.config.hang_up_watch_after_s)
-        state.inflight += 1
         try:
             if stream:
                 chat = dict(t.chat, stream=True, stream_options={"include_usage": True})
                 items = backend.chat_stream(chat, ctx)
                 first = await anext(items)  # errors before the first byte still get a proper status code
-                result, error = await _relay(send, surface.stream(t), first, items, ctx.call_id, t.stop)
+                events = surface.stream(t)
+                result, error = await _relay(out, events, first, items, ctx.call_id, t.stop)
             else:
                 result = await backend.chat(t.chat, ctx)
         finally:
-            state.inflight -= 1
             if watch is not None:
                 watch.close()
     except ProxyHTTPError as err:
-        error = err.message if ctx is not None else None
-        await send_error(send, surface, err, ctx.call_id if ctx is not None else None)
+        error = err
     except UpstreamHTTPError as exc:
-        error = str(exc)
-        await send_error(send, surface, upstream_refusal(exc), ctx.call_id if ctx is not None else None)
+        error = upstream_refusal(exc)
     except LightningSDKError as exc:
-        error = str(exc)
-        await send_error(send, surface, from_sdk_error(exc), ctx.call_id if ctx is not None else None)
+        error = from_sdk_error(exc)
+    except StopAsyncIteration:
+        error = ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
     except asyncio.CancelledError:
-        if watch is None or not watch.gone:
+        if state.closing == "aborting":
+            task.uncancel()  # type: ignore[union-attr]
+            error = ProxyHTTPError(409, _app.ABORTED, code="attempt_finished")
+        elif watch is not None and watch.gone:
+            task.uncancel()  # type: ignore[union-attr]
+            error = ProxyHTTPError(
+                499, "the agent disconnected before the reply was complete", kind="client_closed_request"
+            )
+        else:
             raise
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        error = "the agent disconnected before the reply was complete"
     except Exception as exc:  # a bug in a translation must not lose the call: answer 500 (if still possible), record
         logger.exception("%s surface failed", surface.api)
-        error = f"internal error: {type(exc).__name__}: {exc}"
-        with contextlib.suppress(Exception):  # the answer may have started already (a stream)
-            await send_error(send, surface, ProxyHTTPError(500, error, kind="server_error"))
-    else:
-        if result is not None and not stream and t is not None and ctx is not None:
-            payload = orjson.dumps(surface.answer(t, Reply.from_chat(result.response, t.stop)))
-            headers = _app._json_headers(len(payload), ctx.call_id)
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
-    if state is None or ctx is None:
+        error = ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    finally:
+        if task is not None:
+            state.tasks.discard(task)
+    call_id = ctx.call_id if ctx is not None else None
+    if error is None and result is not None and not stream and t is not None:
+        payload = orjson.dumps(surface.answer(t, Reply.from_chat(result.response, t.stop)))
+        await out({"type": "http.response.start", "status": 200, "headers": _app._json_headers(len(payload), call_id)})
+        await out({"type": "http.response.body", "body": payload})
+    elif error is not None and not out.started and error.status != 499:
+        await send_error(send, surface, error, call_id)
+    elif error is not None and out.started and not out.ended and error.status != 499 and events is not None:
+        with contextlib.suppress(Exception):  # the agent may be gone
+            await out({"type": "http.response.body", "body": events.error(error)})
+    if ctx is None:
         return
-    recorded = dict(t.chat) if t is not None else {}
+    recorded = dict(t.chat) if t is not None else {"model": body["model"]}
     if t is not None:
         if result is not None and error is None:
             reply = Reply.from_chat(result.response, t.stop)
             t.record["shown"] = reply.shown()
             t.record["refs"] = surface.refs(t, reply)
         recorded["surface"] = t.record
-    call = proxy._make_call(ctx, recorded, result if error is None else None, True, started)
-    if error is not None:
-        call.error = error
     else:
-        state.add_call(call)
-    await proxy.recorder.add_call(call)
+        recorded["surface"] = {"api": surface.api, "request": {k: v for k, v in body.items() if k != "stream"}}
+    await proxy._record(state, ctx, recorded, result if error is None else None, error, True, started)
 
 
 def upstream_refusal(exc: UpstreamHTTPError) -> ProxyHTTPError:
@@ -227,24 +262,25 @@ def upstream_refusal(exc: UpstreamHTTPError) -> ProxyHTTPError:
 
 
 async def _relay(
-    send: Send,
-    out: SurfaceStream,
+    out: Send,
+    events: SurfaceStream,
     first: StreamItem,
     items: AsyncIterator[StreamItem],
     call_id: str,
     stop: list[str],
-) -> tuple[ChatResult | None, str | None]:
-    """Send the surface's events for a backend stream; returns its ``ChatResult`` or the error that cut it off."""
+) -> tuple[ChatResult | None, ProxyHTTPError | None]:
+    """Send the surface's events for a backend stream; returns its ``ChatResult`` or the error that cut it off
+    (the caller ends the started stream with the surface's error event)."""
     from lightning_sdk.proxy.app import CALL_ID_HEADER
 
     headers = [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await out({"type": "http.response.start", "status": 200, "headers": headers})
 
-    async def emit(events: list[bytes]) -> None:
-        if events:
-            await send({"type": "http.response.body", "body": b"".join(events), "more_body": True})
+    async def emit(chunks: list[bytes]) -> None:
+        if chunks:
+            await out({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
 
-    await emit(out.start())
+    await emit(events.start())
     result: ChatResult | None = None
     item: StreamItem | None = first
     try:
@@ -252,17 +288,15 @@ async def _relay(
             if isinstance(item, ChatResult):
                 result = item
             else:
-                await emit(out.feed(_chunk_dict(item)))
+                await emit(events.feed(_chunk_dict(item)))
             item = await anext(items, None)
+    except UpstreamHTTPError as exc:
+        return None, upstream_refusal(exc)
     except LightningSDKError as exc:
-        err = from_sdk_error(exc)
-        await send({"type": "http.response.body", "body": out.error(err)})
-        return None, str(exc)
+        return None, from_sdk_error(exc)
     if result is None:
-        err = ProxyHTTPError(502, "the stream ended without a result")
-        await send({"type": "http.response.body", "body": out.error(err)})
-        return None, err.message
-    await send({"type": "http.response.body", "body": b"".join(out.finish(Reply.from_chat(result.response, stop)))})
+        return None, ProxyHTTPError(502, "the stream ended without a result", kind="upstream_error")
+    await out({"type": "http.response.body", "body": b"".join(events.finish(Reply.from_chat(result.response, stop)))})
     return result, None
 
 

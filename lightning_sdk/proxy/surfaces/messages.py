@@ -229,10 +229,10 @@ class MessagesSurface:
     # -- response --------------------------------------------------------------------------------------------------
     @staticmethod
     def _stop_reason(reply: Reply) -> str:
+        if reply.finish == "length":
+            return "max_tokens"  # cut by the token limit, even after a complete tool call
         if reply.tool_calls:
             return "tool_use"
-        if reply.finish == "length":
-            return "max_tokens"
         return "stop_sequence" if reply.stop_sequence is not None else "end_turn"
 
     @staticmethod

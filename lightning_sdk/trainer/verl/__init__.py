@@ -3,7 +3,7 @@
 Importing this package does not import verl or Ray; they load when a backend starts.
 """
 
-from lightning_sdk.trainer.verl.adapter import VerlLearner, rows_from_train_batch
+from lightning_sdk.trainer.verl.adapter import VerlLearner
 from lightning_sdk.trainer.verl.backend import LocalRanks, RayRanks, VerlBackend
 from lightning_sdk.trainer.verl.batch import TrainRow, dataproto_to_rows, records_to_dataproto, rows_from_records
 from lightning_sdk.trainer.verl.config import VerlConfig, to_verl_config
@@ -19,7 +19,6 @@ __all__ = [
     "dataproto_to_rows",
     "records_to_dataproto",
     "rows_from_records",
-    "rows_from_train_batch",
     "run_step",
     "to_verl_config",
 ]

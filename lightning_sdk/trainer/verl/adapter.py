@@ -1,9 +1,10 @@
-"""``VerlLearner``: the verl backend behind the embedded ``Learner``'s interface, so the trainer daemon can swap
-one for the other (``backend: verl``) without a second training loop.
+"""``VerlLearner``: the verl backend behind the learner protocol (``step(records)``, ``weights``, ``state_dict``),
+so the trainer daemon swaps one for the other (``backend: verl``) without a second training loop.
 
-The daemon hands the learner a padded ``TrainBatch`` (right padding, per-token ``loss_mask``/``logprobs``/
-``advantages`` already weighted per row) and publishes ``learner.weights()`` to its engine after each step; this
-class turns the batch back into rows, runs one verl update and reads the full weights back from rank 0.
+Each backend builds its own batch from the records: the embedded ``Learner`` pads them (``train_batch``), verl's
+side lays them out as a ``DataProto`` (``records_to_dataproto``: left-padded prompts, right-padded responses, the
+group id as ``uid`` and the reward on the last trained token as ``token_level_scores``, so verl's own estimators
+can read the batch). After each step the daemon publishes ``learner.weights()`` (the full weights, from rank 0).
 Checkpoints hold the weights and the step count; verl's optimizer state is not in them (a resumed run restarts
 AdamW's moments), which ``load_state_dict`` says in the log.
 """
@@ -11,55 +12,33 @@ AdamW's moments), which ``load_state_dict`` says in the log.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lightning_sdk.errors import TrainerError
-from lightning_sdk.trainer.learner import TrainBatch
+from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.verl.backend import VerlBackend
-from lightning_sdk.trainer.verl.batch import TrainRow
 
-__all__ = ["VerlLearner", "rows_from_train_batch"]
+__all__ = ["VerlLearner"]
 
 logger = logging.getLogger(__name__)
 
 
-def rows_from_train_batch(batch: TrainBatch) -> list[TrainRow]:
-    """The rows of a right-padded ``TrainBatch`` (weights already folded into the advantages)."""
-    rows: list[TrainRow] = []
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    for i, n in enumerate(int(x) for x in lengths):
-        mask = [int(m) for m in batch.loss_mask[i, :n].tolist()]
-        if not any(mask):
-            continue
-        rows.append(
-            TrainRow(
-                input_ids=[int(t) for t in batch.input_ids[i, :n].tolist()],
-                loss_mask=mask,
-                logprobs=[float(x) for x in batch.logprobs[i, :n].tolist()],
-                advantages=[float(x) for x in batch.advantages[i, :n].tolist()],
-                reward=0.0,
-                group="",  # advantages are already computed; the update does not group rows
-                segment=i,
-            )
-        )
-    return rows
-
-
 class VerlLearner:
-    """Duck-types ``lightning_sdk.trainer.learner.Learner`` (``step``, ``weights``, ``state_dict``,
-    ``load_state_dict``, ``steps``) over a ``VerlBackend``."""
+    """The learner protocol (``step``, ``weights``, ``state_dict``, ``load_state_dict``, ``steps``) over a
+    ``VerlBackend``."""
 
     def __init__(self, backend: VerlBackend) -> None:
         self.backend = backend
         self.steps = 0
 
-    def step(self, batch: TrainBatch) -> dict[str, float]:
-        rows = rows_from_train_batch(batch)
-        if not rows:
+    def step(self, records: Sequence[Record]) -> dict[str, float]:
+        trained = [r for r in records if r.segment.n_trained > 0]
+        if not trained:
             raise TrainerError("the batch has no trained tokens")
-        metrics = self.backend.step(rows)
+        metrics = self.backend.step(trained)
         self.steps += 1
         return metrics
 

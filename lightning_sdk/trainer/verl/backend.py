@@ -202,11 +202,6 @@ class VerlBackend:
         logger.info("verl step %d: %d rows in %.2fs", self.version, int(metrics["step/rows"]), metrics["step/seconds"])
         return metrics
 
-    async def astep(self, records: Iterable[Any]) -> dict[str, float]:
-        """``step`` off the event loop (the daemon's loop keeps serving the proxy meanwhile)."""
-        rows = list(records)
-        return await asyncio.to_thread(self.step, rows)
-
     # ------------------------------------------------------------------------------------------------- weights
     def save_weights(self) -> Path:
         """Write the current weights as an HF checkpoint directory (what SGLang/vLLM reload from disk)."""

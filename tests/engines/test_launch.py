@@ -1,0 +1,45 @@
+"""``launch_server``: a started server never outlives the process that started it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.trainer.tiny import ROOT
+
+SCRIPT = """
+import sys
+from lightning_sdk.engines.launch import free_port, launch_server
+port = free_port()
+server = launch_server([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port=port,
+                       health_path="/", timeout=60)
+print(server.process.pid, flush=True)
+raise SystemExit(3)  # an error path that never calls server.stop()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie waiting for its parent counts as gone
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_server_is_stopped_when_its_owner_exits_without_stopping_it(tmp_path: Path) -> None:
+    """The server runs in its own session (so ``stop`` ends its workers), which would let it outlive an owner that
+    exits on an error path; ``launch_server`` stops it at interpreter exit. A real HTTP server process."""
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 3, out.stderr
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
