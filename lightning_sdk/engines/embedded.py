@@ -297,8 +297,7 @@ class EmbeddedEngine:
             raise EngineError("the engine is closed")
         if not input_ids:
             raise EngineError("empty prompt")
-        if self.sampling_override:
-            sampling = _override(sampling, self.sampling_override)
+        sampling = sampling.overridden(self.sampling_override)
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(
@@ -606,14 +605,6 @@ def _sample_rows(
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=generators[j]).item()))
     picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
     return tokens, [float(x) for x in picked]
-
-
-def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
-    """Apply the trainer's sampling override: values replace the request's, except ``max_tokens`` which caps it."""
-    update = dict(override)
-    if "max_tokens" in update:
-        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
-    return sampling.model_copy(update=update)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

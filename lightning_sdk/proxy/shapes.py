@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_sdk.errors import UpstreamError
+
 __all__ = [
     "ENGINE_KEYS",
     "MAX_TOKEN_ID",
@@ -49,8 +51,9 @@ MAX_TOKEN_ID = 2**31 - 1
 """The largest token id accepted from an engine (vocabularies are far smaller; ids beyond are a broken answer)."""
 
 
-class MalformedAnswer(ValueError):
-    """An engine answer of the wrong shape (the proxy answers 502 and records the call with this message)."""
+class MalformedAnswer(UpstreamError, ValueError):
+    """An engine answer of the wrong shape (the proxy answers 502 and records the call with this message); in the
+    one exception tree as an ``UpstreamError``, and still a ``ValueError`` for the parsers that catch those."""
 
 
 def _ids(value: Any, where: str) -> list[int] | None:

@@ -68,13 +68,6 @@ class LearnerLike(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
-    update = dict(override)
-    if "max_tokens" in update:
-        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
-    return sampling.model_copy(update=update)
-
-
 class ServedEngine:
     """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
 
@@ -96,7 +89,7 @@ class ServedEngine:
         return self._tokenizer
 
     def _sampling(self, sampling: Sampling) -> Sampling:
-        return _override(sampling, self.sampling_override) if self.sampling_override else sampling
+        return sampling.overridden(self.sampling_override)
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         self.stats["requests"] += 1

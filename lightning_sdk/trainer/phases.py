@@ -1,6 +1,6 @@
 """The phases of a run around RL: held-out evaluation and the warm start, both through the daemon's proxy.
 
-Split from ``run.py`` so the main job reads as its sequence of phases. Both honour ``stop()`` (the CLI's
+Used by the jobs in ``lightning_sdk/app/`` so each reads as its sequence of phases. Both honour ``stop()`` (the CLI's
 SIGINT/SIGTERM): an evaluation releases its in-flight attempts, the warm start ends at its next supervised step;
 either raises ``RunStopped``.
 """

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sdk.app import run_training
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import load_train_config
 from lightning_sdk.trainer.learner import token_logprobs
-from lightning_sdk.trainer.run import run_training
 from lightning_sdk.types import Call
 from tests.trainer.tiny import build_small_policy, write_config
 
