@@ -174,7 +174,7 @@ def main() -> None:
         work = Path(tmp)
         model_dir = _policy(args.model, work)
         t0 = time.perf_counter()
-        server = launch_vllm(model_dir, extra_args=["--enforce-eager", "--max-model-len", "2048"],
+        server = launch_vllm(model_dir, extra_args=["--enforce-eager", "--max-model-len", "1024"],
                              log_path=work / "vllm.log", timeout=900)  # fmt: skip
         start_s = time.perf_counter() - t0
         try:

@@ -34,6 +34,8 @@ from typing import Generic, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt
 
+from lightning_sdk.errors import LightningSDKError
+
 __all__ = ["RetryPolicy", "TransientAnswer", "retry"]
 
 logger = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class RetryPolicy:
         return base * (0.5 + random.random())
 
 
-class TransientAnswer(Exception, Generic[A]):
+class TransientAnswer(LightningSDKError, Generic[A]):
     """Raised by a try whose answer arrived but should be retried (a 5xx, a 429): carries the answer, so the caller
     can read the last one when the tries are spent."""
 

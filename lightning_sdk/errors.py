@@ -10,11 +10,15 @@ Every error the library raises on purpose derives from one root::
      │    └── StoreUnavailableError   the store (file or HTTP server) cannot be reached
      ├── AuthError                missing or unknown attempt token or admin key (HTTP 401)
      ├── AttemptNotRunningError   the attempt is no longer running (HTTP 409)
-     ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/504)
+     ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/503/504)
+     │    └── Http1Error          the proxy's upstream connection failed (proxy/http1.py: connect, read timeout,
+     │                            protocol); UpstreamHTTPError: the upstream answered an error (proxy/backend.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
      ├── EngineError              an inference engine failed (launch, generate, weight update)
-     └── TrainerError             the learner or the trainer daemon failed
+     ├── TrainerError             the learner or the trainer daemon failed
+     └── ProxyHTTPError           an HTTP error answer the proxy gives, with its status and the field at fault
+                                  (proxy/errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
 
 Foreign errors (sqlite3, httpx, torch, Ray) are translated at the boundary with ``raise ... from exc``.
 """

@@ -15,6 +15,9 @@ FORBIDDEN = {
     "records": ("store", "proxy", "trainer", "agent", "engines", "app"),
     "tokens": ("store", "proxy", "trainer", "agent", "engines", "records", "app"),
     "store": ("proxy", "trainer", "agent", "engines", "records", "app"),
+    "trainer": ("app", "cli"),
+    "agent": ("app", "trainer", "cli"),
+    "proxy": ("app", "trainer", "cli"),
 }
 
 

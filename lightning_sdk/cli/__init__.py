@@ -21,7 +21,7 @@ def _register() -> None:
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas unless the user set ``MALLOC_ARENA_MAX``.
+    """Cap glibc's malloc arenas unless the user set ``MALLOC_ARENA_MAX`` (and fix its mmap threshold, see below).
 
     The trainer frees and reallocates differently shaped tensors from many threads (engine batches, learner
     micro-batches, workers); with glibc's default of 8 arenas per core the freed memory stays spread over arenas and
@@ -35,6 +35,13 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
         return
     m_arena_max = -8  # from glibc's malloc.h
     libc.mallopt(m_arena_max, arenas)
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # A fixed mmap threshold: glibc otherwise raises it (up to 32 MB) each time a large block is freed, after
+        # which the learner's and the engine's tensors come from the heap and their freed pages stay resident. With
+        # 1 MiB fixed, every tensor of 1 MiB or more is mapped and unmapped: the main job peaked at 1.1 GB instead
+        # of 2.1 GB (a short run, same wall time).
+        m_mmap_threshold = -3
+        libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def main() -> None:

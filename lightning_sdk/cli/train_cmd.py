@@ -45,8 +45,8 @@ def train_command(
     set_: list[str] = typer.Option([], "--set", help="Override a config value, e.g. --set rl.steps=10 (repeatable)."),
 ) -> None:
     """Train an agent with RL: warm start, evaluate, train asynchronously, evaluate again."""
+    from lightning_sdk.app import RunStopped, run_training
     from lightning_sdk.trainer.config import load_train_config
-    from lightning_sdk.trainer.run import RunStopped, run_training
     from lightning_sdk.trainer.stopping import GracefulStop
     from lightning_sdk.trainer.view import ProgressView
 

@@ -27,6 +27,16 @@ class Sampling(BaseModel):
     stop: list[str] = Field(default_factory=list)  # stop strings (the matched text is not part of the reply)
     stop_token_ids: list[int] = Field(default_factory=list)  # besides the tokenizer's EOS ids
 
+    def overridden(self, override: dict[str, Any] | None) -> Sampling:
+        """The trainer's sampling override applied: its values replace the request's, except ``max_tokens``, which
+        caps it (one rule for every engine)."""
+        if not override:
+            return self
+        update = dict(override)
+        if "max_tokens" in update:
+            update["max_tokens"] = min(int(update["max_tokens"]), self.max_tokens)
+        return self.model_copy(update=update)
+
 
 class Generation(BaseModel):
     """What the engine sampled: exact ids, their log-probs, why it stopped and the policy version that served it."""

@@ -297,8 +297,7 @@ class EmbeddedEngine:
             raise EngineError("the engine is closed")
         if not input_ids:
             raise EngineError("empty prompt")
-        if self.sampling_override:
-            sampling = _override(sampling, self.sampling_override)
+        sampling = sampling.overridden(self.sampling_override)
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(
@@ -334,7 +333,7 @@ class EmbeddedEngine:
                     return
                 admit: list[_Request] = []
                 if self._pending and not self._draining and (not batch.rows or self._admit_now(batch)):
-                    room = self._max_batch_size - len(batch.rows)
+                    room = self._max_batch_size - batch.live
                     admit, self._pending = self._pending[:room], self._pending[room:]
                 self._running = len(batch.rows) + len(admit)
             t0 = time.perf_counter()
@@ -360,10 +359,10 @@ class EmbeddedEngine:
     def _admit_now(self, batch: _Batch) -> bool:
         """Whether waiting requests join the running batch now: a prefill is a forward pass of its own, so they
         join once they are many (half the running rows) or the oldest has waited ``ADMIT_AFTER_STEPS`` steps."""
-        if not self._continuous or len(batch.rows) >= self._max_batch_size:
+        if not self._continuous or batch.live >= self._max_batch_size:
             return False
         waited = self.stats["steps"] - self._pending[0].queued_at
-        return len(self._pending) * 2 >= len(batch.rows) or waited >= self.ADMIT_AFTER_STEPS
+        return len(self._pending) * 2 >= batch.live or waited >= self.ADMIT_AFTER_STEPS
 
     def _prefill(self, batch: _Batch, admit: list[_Request]) -> None:
         """Run the new rows' prompts (past the cached prefix of each) and merge them into the running batch.
@@ -424,33 +423,42 @@ class EmbeddedEngine:
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.rows))
 
     def _step(self, batch: _Batch) -> None:
-        """Sample one token for every row, drop the rows that stopped, and run the others one position on."""
+        """Sample one token for every live row and run the batch one position on.
+
+        A row that stops stays in the batch, masked, until a quarter of the rows are such (or rows join): dropping
+        it at once would copy the whole cache each time any row stops."""
         assert batch.logits is not None
-        tokens, logprobs = _sample_rows(
-            batch.logits, [r.sampling for r in batch.rows], [r.generator for r in batch.rows]
-        )
-        keep: list[int] = []
-        for j, req in enumerate(batch.rows):
-            req.ids.append(tokens[j])
-            req.logprobs.append(logprobs[j])
+        live = [j for j, r in enumerate(batch.rows) if r.finish_reason is None]
+        logits = batch.logits if len(live) == len(batch.rows) else batch.logits[live]
+        rows = [batch.rows[j] for j in live]
+        tokens, logprobs = _sample_rows(logits, [r.sampling for r in rows], [r.generator for r in rows])
+        step_tokens = [self._pad_id] * len(batch.rows)
+        attend = [0] * len(batch.rows)
+        for i, (j, req) in enumerate(zip(live, rows, strict=True)):
+            req.ids.append(tokens[i])
+            req.logprobs.append(logprobs[i])
             self.stats["tokens"] += 1
             req.finish_reason = self._finish_reason(req, len(req.input_ids))
             if req.finish_reason is None:
-                keep.append(j)
+                step_tokens[j], attend[j] = tokens[i], 1
             elif self.prefix_cache is not None:  # its KV: prompt + completion but the last token (never run)
                 n = len(req.input_ids) + len(req.ids) - 1
                 kv = [(k[j, :, -n:].clone(), v[j, :, -n:].clone()) for k, v in batch.kv()]
                 self.prefix_cache.put(req.input_ids + req.ids[:-1], kv)
             req.deliver(final=req.finish_reason is not None)
-        if len(keep) < len(batch.rows):
-            batch.select(keep)
-        if not batch.rows:
+        alive = [j for j in range(len(batch.rows)) if attend[j]]
+        if not alive:
+            batch.select([])
             return
+        if 4 * (len(batch.rows) - len(alive)) >= len(batch.rows):
+            batch.select(alive)
+            step_tokens = [step_tokens[j] for j in alive]
+            attend = [1] * len(alive)
         self.stats["steps"] += 1
-        step_ids = torch.tensor([[tokens[j]] for j in keep], device=self._device)
+        step_ids = torch.tensor(step_tokens, device=self._device).unsqueeze(1)
         out = self._model(
             input_ids=step_ids,
-            attention_mask=batch.extend_mask(),
+            attention_mask=batch.extend_mask(attend),
             position_ids=batch.positions.unsqueeze(1),
             past_key_values=batch.cache,
             use_cache=True,
@@ -484,10 +492,18 @@ class _Batch:
     def kv(self) -> _KV:
         return _cache_kv(self.cache) if self.cache is not None else []
 
+    @property
+    def live(self) -> int:
+        """Rows still generating (stopped rows stay until the batch is compacted)."""
+        return sum(1 for r in self.rows if r.finish_reason is None)
+
     def merge(
         self, rows: list[_Request], kv: _KV, mask: torch.Tensor, positions: torch.Tensor, logits: torch.Tensor
     ) -> None:
         """Add prefilled rows: both caches are left-padded to the wider one and stacked."""
+        live = [j for j, r in enumerate(self.rows) if r.finish_reason is None]
+        if len(live) < len(self.rows):
+            self.select(live)
         if not self.rows:
             self.rows, self.cache, self.mask, self.positions, self.logits = (
                 list(rows),
@@ -532,10 +548,10 @@ class _Batch:
         self.cache = DynamicCache(ddp_cache_data=kv)
         self.mask = self.mask[:, first:]
 
-    def extend_mask(self) -> torch.Tensor:
-        """The mask with one more (attended) column for the token about to run."""
-        ones = torch.ones((len(self.rows), 1), dtype=self.mask.dtype, device=self.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
+    def extend_mask(self, attend: list[int]) -> torch.Tensor:
+        """The mask with one more column for the token about to run (attended by the live rows, 1 in ``attend``)."""
+        column = torch.tensor(attend, dtype=self.mask.dtype, device=self.device).unsqueeze(1)
+        self.mask = torch.cat([self.mask, column], dim=1)
         return self.mask
 
 
@@ -589,14 +605,6 @@ def _sample_rows(
         tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=generators[j]).item()))
     picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
     return tokens, [float(x) for x in picked]
-
-
-def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
-    """Apply the trainer's sampling override: values replace the request's, except ``max_tokens`` which caps it."""
-    update = dict(override)
-    if "max_tokens" in update:
-        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
-    return sampling.model_copy(update=update)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.errors import TokenizationError
@@ -29,17 +30,22 @@ __all__ = ["WarmStartConfig", "WarmStartResult", "render_demonstration", "warm_s
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class WarmStartConfig:
-    lr: float = 1e-3
-    batch_size: int = 32
-    max_steps: int = 400
-    eval_every: int = 10
-    eval_below_loss: float | None = 1.0  # evaluate only once the supervised loss is this low (the format is learnt)
-    target_success: float = 0.2
-    warmup_steps: int = 10
-    grad_clip: float = 1.0
-    seed: int = 0
+class WarmStartConfig(BaseModel):
+    """The supervised warm start (``[warm_start]`` in the training config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    batch_size: int = Field(32, ge=1, description="demonstrations per supervised step")
+    max_steps: int = Field(400, ge=1, description="give up after this many steps")
+    eval_every: int = Field(10, ge=1, description="evaluate through the proxy every this many steps")
+    eval_below_loss: float | None = Field(
+        1.0, description="evaluate only once the supervised loss is this low (the format is learnt); None: always"
+    )
+    target_success: float = Field(0.2, ge=0, le=1, description="stop at the first evaluation with this success")
+    warmup_steps: int = Field(10, ge=1, description="linear learning-rate warmup")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    seed: int = Field(0, description="order of the demonstrations")
 
 
 @dataclass

@@ -10,7 +10,9 @@ Shapes (the contract)::
                                  -> {"rollout_id", "attempt_id", "status", "calls", "calls_failed",
                                      "calls_not_recorded", "rewards_not_recorded", "inflight": {"waited_s",
                                      "aborted"}, "error"?}   (after every call is committed: see Proxy.end_attempt)
-    POST /lightning/v1/sessions  {"task": {...}?, "group": str?} -> {"rollout_id", "attempt_id", "token", "base_url"}
+    POST /lightning/v1/sessions  {"task": {...}?, "group": str?, "split": str?}
+                                 -> {"rollout_id", "attempt_id", "token", "base_url", "group", "split"}
+                                 (split ``traced`` unless split and group are given: traced, never trained)
     GET  /lightning/v1/rollouts?status=&limit=100&after=CURSOR -> {"rollouts": [{"rollout_id", "status", "group", ...}],
                                                                   "next": CURSOR|null}
     GET  /lightning/v1/rollouts/{rollout_id} -> {"rollout_id", "group", "task", "status", "attempts": [{"attempt_id",
@@ -39,7 +41,10 @@ from lightning_sdk.types import AttemptStatus, Call, Reward, Rollout, RolloutDet
 if TYPE_CHECKING:
     from lightning_sdk.proxy.app import Proxy
 
-__all__ = ["admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
+__all__ = ["TRACED_SPLIT", "admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
+
+TRACED_SPLIT = "traced"
+"""The split of a hand-opened session that names no split and group: traced (exported), never trained."""
 
 _JSON = "application/json"
 
@@ -184,7 +189,13 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, "task: must be a JSON object", param="task")
         if group is not None and not isinstance(group, str):
             raise ProxyHTTPError(400, "group: must be a string", param="group")
-        claim = await proxy.store.open_session(task, group)
+        split = data.get("split")
+        if split is not None and (not isinstance(split, str) or not split):
+            raise ProxyHTTPError(400, "split: must be a non-empty string", param="split")
+        if split is not None and group is None:
+            raise ProxyHTTPError(400, "split: a session joins a split only with a group (give both)", param="split")
+        # a hand-opened session is traced, not trained, unless the request names its split and group
+        claim = await proxy.store.open_session(task, group, split=split or TRACED_SPLIT)
         origin = proxy.config.public_url or f"{request.url.scheme}://{request.headers.get('host', request.url.netloc)}"
         token = claim.attempt.token
         return _ok(
@@ -194,6 +205,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
                 "token": token,
                 "base_url": f"{origin.rstrip('/')}/t/{token}/v1",
                 "group": claim.rollout.group_id,
+                "split": claim.rollout.split,
             }
         )
 

@@ -618,7 +618,8 @@ class _Sent:
 async def _receive_within(receive: Receive, timeout_s: float) -> Any:
     """The next ASGI message of the request body; 408 when the client sends nothing for ``timeout_s``."""
     try:
-        return await asyncio.wait_for(receive(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # a timer, not a task per call (this is the hot path)
+            return await receive()
     except TimeoutError:
         raise ProxyHTTPError(408, f"body: incomplete request, nothing received for {timeout_s:g}s") from None
 

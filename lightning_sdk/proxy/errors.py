@@ -39,8 +39,9 @@ __all__ = [
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-class ProxyHTTPError(Exception):
-    """An HTTP error answer; ``param`` names the request field at fault (400)."""
+class ProxyHTTPError(LightningSDKError):
+    """An HTTP error answer; ``param`` names the request field at fault (400). Part of the one exception tree
+    (``lightning_sdk.errors``), so ``from_sdk_error`` passes it through unchanged."""
 
     def __init__(
         self, status: int, message: str, *, param: str | None = None, code: str | None = None, kind: str | None = None
@@ -72,6 +73,8 @@ def error_event(err: ProxyHTTPError) -> bytes:
 
 def from_sdk_error(exc: LightningSDKError) -> ProxyHTTPError:
     """The HTTP error for one of the library's exceptions (the table of ``lightning_sdk.http_errors``)."""
+    if isinstance(exc, ProxyHTTPError):  # already an answer: keep its status, param and headers
+        return exc
     status, kind, code = error_fields(exc)
     message = str(exc) if status != 500 else f"{type(exc).__name__}: {exc}"
     err = ProxyHTTPError(status, message, code=code, kind=kind)

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from lightning_sdk.errors import UpstreamError
+
 __all__ = [
     "Http1ConnectError",
     "Http1Error",
@@ -29,8 +31,8 @@ __all__ = [
 ]
 
 
-class Http1Error(Exception):
-    """Any failure of the upstream connection."""
+class Http1Error(UpstreamError):
+    """Any failure of the upstream connection (an ``UpstreamError``: 502 unless translated first)."""
 
 
 class Http1ConnectError(Http1Error):
@@ -38,7 +40,10 @@ class Http1ConnectError(Http1Error):
 
 
 class Http1ReadTimeout(Http1Error):
-    """The server was silent for longer than the read timeout."""
+    """The server was silent for longer than the read timeout (504)."""
+
+    def __init__(self, message: str, *, status_code: int = 504) -> None:
+        super().__init__(message, status_code=status_code)
 
 
 class Http1ProtocolError(Http1Error):

@@ -122,6 +122,7 @@ class PassthroughBackend:
         self._since = time.time()
         self._watch: asyncio.Task[None] | None = None
         self._next_probe_s = 0.0
+        self._probed_at = 0.0
 
     # -- the upstream's state ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,7 +161,14 @@ class PassthroughBackend:
                 return
             delay = min(delay * 2, 5.0)
 
-    def _check_ready(self) -> None:
+    async def _check_ready(self) -> None:
+        """Raise ``UpstreamNotReady`` while the upstream has never answered (a call probes it once itself)."""
+        if self._state == "ready":
+            return
+        if time.monotonic() - self._probed_at > 0.1:  # do not wait for the watch's backoff: look now
+            self._probed_at = time.monotonic()
+            if await self._probe():
+                return
         if self._state != "ready":
             raise UpstreamNotReady(
                 f"upstream {self.base} is not reachable yet ({self._last_error or 'starting'}): retry later",
@@ -169,17 +177,17 @@ class PassthroughBackend:
 
     # -- the PolicyBackend interface -----------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
-        self._check_ready()
+        await self._check_ready()
         data = await self._post_json("/chat/completions", self._upstream_body(body, stream=False))
         return self._result(body, data, _read(chat_tokens, data), ctx)
 
     async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
-        self._check_ready()
+        await self._check_ready()
         data = await self._post_json("/completions", self._upstream_body(body, stream=False))
         return self._result(body, data, _read(completion_tokens, data), ctx)
 
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
-        self._check_ready()
+        await self._check_ready()
         asm = ChatStreamAssembler()
         async for item in self._stream("/chat/completions", body, asm):
             yield item
@@ -187,7 +195,7 @@ class PassthroughBackend:
         yield self._result(body, full, _read(chat_tokens, full), ctx)
 
     async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
-        self._check_ready()
+        await self._check_ready()
         asm = CompletionStreamAssembler()
         async for item in self._stream("/completions", body, asm):
             yield item

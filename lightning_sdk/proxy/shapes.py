@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_sdk.errors import UpstreamError
+
 __all__ = [
     "ENGINE_KEYS",
     "MAX_TOKEN_ID",
@@ -49,25 +51,33 @@ MAX_TOKEN_ID = 2**31 - 1
 """The largest token id accepted from an engine (vocabularies are far smaller; ids beyond are a broken answer)."""
 
 
-class MalformedAnswer(ValueError):
-    """An engine answer of the wrong shape (the proxy answers 502 and records the call with this message)."""
+class MalformedAnswer(UpstreamError, ValueError):
+    """An engine answer of the wrong shape (the proxy answers 502 and records the call with this message); in the
+    one exception tree as an ``UpstreamError``, and still a ``ValueError`` for the parsers that catch those."""
 
 
 def _ids(value: Any, where: str) -> list[int] | None:
+    """``value`` checked as a list of token ids (C-level passes: this runs on every call's ids)."""
     if value is None:
         return None
     if not isinstance(value, list):
         raise MalformedAnswer(f"{where}: expected a list of token ids, got {type(value).__name__}")
-    for i, t in enumerate(value):
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID:
-            raise MalformedAnswer(f"{where}[{i}]: {t!r} is not a token id (an integer in [0, 2^31))")
+    if value and (set(map(type, value)) != {int} or min(value) < 0 or max(value) > MAX_TOKEN_ID):
+        bad = next((i, t) for i, t in enumerate(value) if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID)
+        raise MalformedAnswer(f"{where}[{bad[0]}]: {bad[1]!r} is not a token id (an integer in [0, 2^31))")
     return value
 
 
-def _logprob(value: Any, where: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value > 0:
-        raise MalformedAnswer(f"{where}: {value!r} is not a log-probability (a finite number <= 0)")
-    return float(value)
+def _logprobs(values: list[Any], where: str) -> list[float]:
+    """``values`` checked as log-probabilities (finite numbers <= 0), as floats."""
+    if values and (
+        not set(map(type, values)) <= {float, int} or not all(map(math.isfinite, values)) or max(values) > 0
+    ):
+        i, v = next(
+            (i, v) for i, v in enumerate(values) if type(v) not in (float, int) or not math.isfinite(v) or v > 0
+        )
+        raise MalformedAnswer(f"{where}[{i}]: {v!r} is not a log-probability (a finite number <= 0)")
+    return [float(v) for v in values]
 
 
 def _first_choice(resp: Any) -> tuple[dict[str, Any], int]:
@@ -96,10 +106,9 @@ def chat_tokens(resp: dict[str, Any]) -> EngineTokens:
     content = lp.get("content")
     if content is not None and (not isinstance(content, list) or not all(isinstance(t, dict) for t in content)):
         raise MalformedAnswer("choices[0].logprobs.content: expected a list of objects")
-    where = "choices[0].logprobs.content"
     logprobs = None
     if content is not None:
-        logprobs = [_logprob(t.get("logprob"), f"{where}[{i}].logprob") for i, t in enumerate(content)]
+        logprobs = _logprobs([t.get("logprob") for t in content], "choices[0].logprobs.content[].logprob")
     return EngineTokens(
         prompt_ids=_ids(resp.get("prompt_token_ids"), "prompt_token_ids"),
         completion_ids=_ids(first.get("token_ids"), "choices[0].token_ids"),
@@ -123,7 +132,7 @@ def completion_tokens(resp: dict[str, Any]) -> EngineTokens:
     return EngineTokens(
         prompt_ids=_ids(prompt, "choices[0].prompt_token_ids"),
         completion_ids=_ids(first.get("token_ids"), "choices[0].token_ids"),
-        logprobs=[_logprob(x, f"{where}[{i}]") for i, x in enumerate(token_lps)] if token_lps is not None else None,
+        logprobs=_logprobs(token_lps, where) if token_lps is not None else None,
         finish_reason=_finish(first),
         n_choices=n,
     )

@@ -79,6 +79,9 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "web_search_options": (),
     "functions": ([],),
     "function_call": ("none", "auto"),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
 }
 
 
@@ -103,6 +106,11 @@ def check_token_mode_request(body: dict[str, Any], *, response_format: bool, top
     if body.get("top_logprobs") and not top_logprobs:
         raise ProxyHTTPError(
             400, "top_logprobs: this engine returns the sampled token's log-prob only (set 0)", param="top_logprobs"
+        )
+    n_alternatives = body.get("logprobs")
+    if "prompt" in body and type(n_alternatives) is int and n_alternatives > 1 and not top_logprobs:
+        raise ProxyHTTPError(
+            400, "logprobs: this engine returns the sampled token's log-prob only (use 0 or 1)", param="logprobs"
         )
 
 

@@ -168,10 +168,10 @@ def enqueue(
     return out
 
 
-def open_session(conn: Conn, task: Task | None, group_id: str | None, ts: float) -> Claim:
+def open_session(conn: Conn, task: Task | None, group_id: str | None, ts: float, split: str = "train") -> Claim:
     group = _group(conn, group_id) if group_id is not None else None
     if group is None:
-        group = lc.new_group(task or {}, 1, "train", group_id, ts)
+        group = lc.new_group(task or {}, 1, split, group_id, ts)
         _insert_group(conn, group)
     else:
         group = lc.join_group(group)

@@ -84,6 +84,7 @@ class EnqueueRequest(_Wire):
 class OpenSessionRequest(_Wire):
     task: Task | None = None
     group_id: str | None = None
+    split: str = "train"
 
 
 class ClaimRequest(_Wire):

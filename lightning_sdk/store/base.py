@@ -42,8 +42,11 @@ class Store(Protocol):
         """One group of ``n`` queued rollouts per task. Idempotent on client-supplied ``group_ids``."""
         ...
 
-    async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        """A running rollout and its first attempt outside any queue (tracing by hand); no lease."""
+    async def open_session(
+        self, task: Task | None = None, group_id: str | None = None, *, split: str = "train"
+    ) -> Claim:
+        """A running rollout and its first attempt outside any queue (tracing by hand); no lease. A new group gets
+        ``split``; joining an existing group keeps its split."""
         ...
 
     async def claim(self, worker_id: str, *, lease_s: float = 60.0, split: str | None = None) -> Claim | None:

@@ -153,8 +153,10 @@ class HTTPStore:
             groups += (await self._call("POST", "/enqueue", w.GroupsBody, req)).groups
         return groups
 
-    async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        req = w.OpenSessionRequest(task=task, group_id=group_id)
+    async def open_session(
+        self, task: Task | None = None, group_id: str | None = None, *, split: str = "train"
+    ) -> Claim:
+        req = w.OpenSessionRequest(task=task, group_id=group_id, split=split)
         res = await self._call("POST", "/sessions", w.ClaimBody, req, repeatable=False)
         if res.claim is None:
             raise StoreError("store answered an empty session")

@@ -150,7 +150,7 @@ def store_routes(store: Store, admin_key: str, *, finish_attempt: FinishFn | Non
 
     async def sessions(request: Request) -> BaseModel:
         b = await _body(request, w.OpenSessionRequest)
-        return w.ClaimBody(claim=await store.open_session(b.task, b.group_id))
+        return w.ClaimBody(claim=await store.open_session(b.task, b.group_id, split=b.split))
 
     async def claim(request: Request) -> BaseModel:
         b = await _body(request, w.ClaimRequest)
@@ -214,6 +214,8 @@ def store_routes(store: Store, admin_key: str, *, finish_attempt: FinishFn | Non
 
     async def consume(request: Request) -> BaseModel:
         b = await _body(request, w.ConsumeRequest)
+        if not 0 <= b.step < 2**63:
+            raise ConfigError(f"invalid field 'step': {b.step} is not in [0, 2^63)")
         return w.ConsumeBody(consumed=await store.consume_groups(b.step, b.group_ids))
 
     async def publish(request: Request) -> BaseModel:

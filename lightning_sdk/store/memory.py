@@ -135,12 +135,14 @@ class MemoryStore:
                 out.append(group.model_copy(deep=True))
         return out
 
-    async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
+    async def open_session(
+        self, task: Task | None = None, group_id: str | None = None, *, split: str = "train"
+    ) -> Claim:
         ts = self.clock()
         with self._lock:
             group = self._groups.get(group_id) if group_id is not None else None
             if group is None:
-                group = lc.new_group(_copy_json(task or {}), 1, "train", group_id, ts)
+                group = lc.new_group(_copy_json(task or {}), 1, split, group_id, ts)
             else:
                 group = lc.join_group(group)
             rollout, attempt = lc.open_session_objects(group, ts)

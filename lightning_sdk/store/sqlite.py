@@ -164,8 +164,10 @@ class SQLiteStore:
     ) -> list[Group]:
         return await self._write(ops.enqueue, tasks, n, max_attempts, split, group_ids, self.clock())
 
-    async def open_session(self, task: Task | None = None, group_id: str | None = None) -> Claim:
-        return await self._write_attempts(ops.open_session, task, group_id, self.clock())
+    async def open_session(
+        self, task: Task | None = None, group_id: str | None = None, *, split: str = "train"
+    ) -> Claim:
+        return await self._write_attempts(ops.open_session, task, group_id, self.clock(), split)
 
     async def claim(self, worker_id: str, *, lease_s: float = 60.0, split: str | None = None) -> Claim | None:
         return await self._write_attempts(ops.claim, worker_id, lease_s, split, self.clock())

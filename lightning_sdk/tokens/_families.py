@@ -154,3 +154,15 @@ register_family(
         aliases=("deepseek",),
     )
 )
+register_family(
+    Family(
+        # Plain ChatML without tools in the template (e.g. SmolLM2-Instruct): registered last, so Qwen's templates
+        # (ChatML plus <tool_call>) are detected as theirs first. Replies are parsed like Qwen2.5's (Hermes
+        # <tool_call> tags if the model writes them, plain text otherwise).
+        name="chatml",
+        parser="hermes-nothink",
+        end_markers=("<|im_end|>",),
+        arguments="string",
+        detect=("<|im_start|>", "<|im_end|>"),
+    )
+)

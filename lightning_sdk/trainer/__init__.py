@@ -1,4 +1,4 @@
-"""The embedded trainer: learner, policy losses, the async trainer daemon and ``lightning-sdk train``.
+"""The trainer: learner, policy losses, checkpoints, the async training loop (``TrainerDaemon``) and the verl backend.
 
 - ``Learner`` / ``LearnerConfig`` / ``TrainBatch``: policy gradient with truncated importance sampling on a local
   torch model (PPO-clip acts when ``ppo_epochs`` / ``mini_batches`` make more than one update per step).
@@ -6,7 +6,7 @@
 - ``TrainerDaemon``: store + proxy + embedded engine + learner in one asyncio process, exactly-once resume.
 - ``build_parts`` / ``Parts``: the engine and learner of ``backend`` / ``[engine]`` (embedded or verl; embedded,
   SGLang or vLLM), built in one place.
-- ``run_training`` / ``run_daemon``: what ``lightning-sdk train`` and ``lightning-sdk daemon`` run.
+- the jobs that compose these (``lightning-sdk train`` / ``daemon``) are in ``lightning_sdk.app``.
 
 See docs/training.md.
 """

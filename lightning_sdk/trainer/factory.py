@@ -27,8 +27,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import ConfigError, EngineError
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.config import VERL_LAUNCH_KEYS, TrainConfig
-from lightning_sdk.trainer.learner import Learner, LearnerConfig
+from lightning_sdk.trainer.config import TrainConfig
+from lightning_sdk.trainer.learner import Learner
 
 __all__ = [
     "LearnerLike",
@@ -68,13 +68,6 @@ class LearnerLike(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _override(sampling: Sampling, override: dict[str, Any]) -> Sampling:
-    update = dict(override)
-    if "max_tokens" in update:
-        update["max_tokens"] = min(int(update["max_tokens"]), sampling.max_tokens)
-    return sampling.model_copy(update=update)
-
-
 class ServedEngine:
     """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
 
@@ -96,7 +89,7 @@ class ServedEngine:
         return self._tokenizer
 
     def _sampling(self, sampling: Sampling) -> Sampling:
-        return _override(sampling, self.sampling_override) if self.sampling_override else sampling
+        return sampling.overridden(self.sampling_override)
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         self.stats["requests"] += 1
@@ -156,25 +149,11 @@ class Parts:
 
 
 def verl_config(config: TrainConfig, model_dir: Path) -> Any:
-    """The ``VerlConfig`` of ``backend: verl``: the ``[rl]`` settings the embedded learner would use, then the
-    ``[verl]`` section on top (launch keys excepted), with the policy directory as ``model_dir``."""
-    from lightning_sdk.trainer.verl.config import VerlConfig
+    """The ``VerlConfig`` of ``backend: verl``: the ``[verl]`` section with the policy directory as ``model_dir`` and
+    the sampling temperature."""
+    from lightning_sdk.trainer.config import VerlSettings
 
-    rl = config.rl
-    base: dict[str, Any] = {
-        "lr": rl.lr,
-        "grad_clip": rl.grad_clip,
-        "clip_ratio_low": rl.clip_ratio,
-        "clip_ratio_high": rl.clip_ratio,
-        "tis_threshold": rl.tis_cap,
-        "kl_coef": rl.kl_coef,
-        "temperature": rl.temperature,
-        "micro_batch_tokens": rl.micro_batch_tokens,
-        "ppo_epochs": rl.ppo_epochs,
-        "mini_batches_per_step": rl.mini_batches,
-    }
-    ours = {k: v for k, v in config.verl.items() if k not in VERL_LAUNCH_KEYS}
-    return VerlConfig.model_validate({**base, **ours, "model_dir": str(model_dir)})
+    return (config.verl or VerlSettings()).verl_config(str(model_dir), config.rl.temperature)
 
 
 def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
@@ -249,7 +228,7 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
                 engine.stop_servers()
             raise
     pad = tokenizer.pad_token_id
-    learner = Learner(model, _learner_config(config), pad_id=int(pad) if pad is not None else 0)
+    learner = Learner(model, config.learner_config(), pad_id=int(pad) if pad is not None else 0)
     weights: Callable[[], Any] = learner.weights
     if isinstance(engine, ServedEngine):
         writer = _disk_weights(model, tokenizer, run_dir / "weights")
@@ -263,23 +242,6 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
     return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model)
 
 
-def _learner_config(config: TrainConfig) -> LearnerConfig:
-    rl = config.rl
-    return LearnerConfig(
-        lr=rl.lr,
-        warmup_steps=rl.warmup_steps,
-        grad_clip=rl.grad_clip,
-        clip_ratio_low=rl.clip_ratio,
-        clip_ratio_high=rl.clip_ratio,
-        tis_cap=rl.tis_cap,
-        kl_coef=rl.kl_coef,
-        temperature=rl.temperature,
-        micro_batch_tokens=rl.micro_batch_tokens,
-        ppo_epochs=rl.ppo_epochs,
-        mini_batches=rl.mini_batches,
-    )
-
-
 def _verl_parts(
     config: TrainConfig,
     run_dir: Path,
@@ -288,16 +250,17 @@ def _verl_parts(
     tokenizer: PreTrainedTokenizerBase,
     remote: bool,
 ) -> Parts:
+    from lightning_sdk.trainer.config import VerlSettings
     from lightning_sdk.trainer.verl.adapter import VerlLearner
     from lightning_sdk.trainer.verl.backend import VerlBackend
 
-    launch = {k: v for k, v in config.verl.items() if k in VERL_LAUNCH_KEYS}
+    launch = config.verl or VerlSettings()
     pad = tokenizer.pad_token_id
     backend = VerlBackend(
         verl_config(config, model_dir),
-        ray_address=launch.get("ray_address"),
-        ray_num_cpus=launch.get("ray_num_cpus"),
-        use_ray=bool(launch.get("use_ray", True)),
+        ray_address=launch.ray_address,
+        ray_num_cpus=launch.ray_num_cpus,
+        use_ray=launch.use_ray,
         publish_dir=run_dir / "weights",
         pad_id=int(pad) if pad is not None else 0,
     )

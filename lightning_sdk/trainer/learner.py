@@ -26,37 +26,48 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.losses import LossSettings, get_policy_loss
+from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
 
 __all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs", "train_batch"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class LearnerConfig:
-    """Optimisation settings of the embedded learner."""
+class LearnerConfig(BaseModel):
+    """The embedded learner (``[learner]`` in the training config)."""
 
-    lr: float = 1e-4
-    warmup_steps: int = 5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    loss: str = "ppo_clip"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    micro_batch_tokens: int = 8192
-    ppo_epochs: int = 1  # passes over each step's batch
-    mini_batches: int = 1  # optimizer updates per pass (row slices of the batch)
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate")
+    warmup_steps: int = Field(5, ge=1, description="linear learning-rate warmup, in learner steps")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clip")
+    loss: str = Field("ppo_clip", description="policy loss, by name (trainer/losses.py: ppo_clip, reinforce)")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip below 1 (acts from the second update of a step)")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip above 1")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual clip for negative advantages")
+    tis_cap: float = Field(2.0, gt=0, description="truncated importance sampling cap on exp(logp_old - logp_rollout)")
+    kl_coef: float = Field(0.0, ge=0, description="KL to a frozen copy of the initial policy (k3); 0: none")
+    temperature: float = Field(
+        1.0, gt=0, description="log-prob temperature; the trainer sets it to the sampling temperature (rl.temperature)"
+    )
+    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of a micro-batch (gradient accumulation)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch (more than one update: the clip acts)")
+    mini_batches: int = Field(1, ge=1, description="optimizer updates per pass (row slices of the batch)")
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        if value not in policy_loss_names():
+            raise ValueError(f"unknown policy loss {value!r}; valid: {', '.join(policy_loss_names())}")
+        return value
 
 
 @dataclass

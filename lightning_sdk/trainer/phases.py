@@ -1,6 +1,6 @@
 """The phases of a run around RL: held-out evaluation and the warm start, both through the daemon's proxy.
 
-Split from ``run.py`` so the main job reads as its sequence of phases. Both honour ``stop()`` (the CLI's
+Used by the jobs in ``lightning_sdk/app/`` so each reads as its sequence of phases. Both honour ``stop()`` (the CLI's
 SIGINT/SIGTERM): an evaluation releases its in-flight attempts, the warm start ends at its next supervised step;
 either raises ``RunStopped``.
 """
@@ -107,14 +107,7 @@ async def warm_start_phase(
         note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
         return success
 
-    cfg = WarmStartConfig(
-        lr=ws.lr,
-        batch_size=ws.batch_size,
-        max_steps=ws.max_steps,
-        eval_every=ws.eval_every,
-        eval_below_loss=ws.eval_below_loss,
-        target_success=ws.target_success,
-    )
+    cfg = WarmStartConfig.model_validate(ws.model_dump(include=set(WarmStartConfig.model_fields)))
     result = await asyncio.to_thread(warm_start, model, daemon.engine.tokenizer, demos, evaluate_model, cfg, stop)
     if result.stopped:
         raise RunStopped(daemon.step)

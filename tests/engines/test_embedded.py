@@ -247,3 +247,18 @@ async def test_rows_with_and_without_cached_prefixes_share_a_prefill(engine: Emb
     for prompt, gen in zip(prompts, gens, strict=True):
         ref = _reference_logprobs(model, prompt, gen.completion_ids, 0.8)
         assert gen.logprobs == pytest.approx(ref, abs=2e-4)
+
+
+async def test_rows_that_stop_early_leave_the_others_exact(engine: EmbeddedEngine, policy_dir: Path) -> None:
+    """Rows stopping one by one stay in the batch masked until it is compacted; the rows still running record the
+    log-probs of a plain forward pass all along."""
+    model, _ = load_policy(policy_dir)
+    questions = [f"What is {a} plus {a + 3}?" for a in range(8)]
+    prompts = [_prompt(engine, q) for q in questions]
+    gens = await asyncio.gather(
+        *(engine.generate(p, Sampling(max_tokens=3 + 2 * i, temperature=1.0, seed=i)) for i, p in enumerate(prompts))
+    )
+    assert engine.stats["max_batch"] == 8
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ref = _reference_logprobs(model, prompt, gen.completion_ids, 1.0)
+        assert gen.logprobs == pytest.approx(ref, abs=2e-4)

@@ -52,6 +52,7 @@ def test_prepared_directory_is_reused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 async def test_smollm2_served_by_the_embedded_engine_and_trained_through_the_proxy(tmp_path: Path) -> None:
     """Prepare (or reuse) SmolLM2, answer a question with the embedded engine, then ``lightning-sdk train`` with
     ``policy.model = "smollm2-135m"`` for three RL steps on the calc example: the records are exact (the recorded

@@ -28,7 +28,7 @@ from lightning_sdk.errors import EngineError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
 from tests.trainer.tiny import corpus
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # server start-ups count against the timeout
 
 EXTRA_ARGS = ["--enforce-eager", "--max-model-len", "1024"]
 QUESTIONS = ["What is 12 + 30?", "Name a colour.", "Count to five."]

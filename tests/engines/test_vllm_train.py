@@ -23,7 +23,7 @@ from lightning_sdk.store import open_store
 from lightning_sdk.types import Call
 from tests.trainer.tiny import CLI, ROOT, corpus, write_config
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # server start-ups count against the timeout
 
 ENGINE = {"kind": "vllm", "launch": True, "extra_args": ["--enforce-eager", "--max-model-len", "1024"]}
 

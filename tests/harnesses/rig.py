@@ -186,6 +186,18 @@ class Rig:
             assert call["prompt_ids"] == prompt, f"call {i}: prompt ids differ from what the {self.mode} engine saw"
             assert call["completion_ids"] == completion, f"call {i}: completion ids differ"
             assert call["logprobs"] == lps, f"call {i}: logprobs differ"
+        if not self.scripted:  # the first call's prompt is the policy's own chat template over what was sent
+            first = calls[0]["request"]
+            if all(isinstance(m.get("content"), str) for m in first["messages"]):
+                tokenizer = self.log.tokenizer  # type: ignore[union-attr]
+                rendered = tokenizer.apply_chat_template(
+                    first["messages"],
+                    tools=first.get("tools"),
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+                assert calls[0]["prompt_ids"] == [int(i) for i in rendered], "first prompt is not the template's"
         if streamed:
             assert any(streaming for *_, streaming in served), "the framework streamed no call"
         if tool_calls if tool_calls is not None else self.scripted:

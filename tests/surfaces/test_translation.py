@@ -349,3 +349,44 @@ def test_finish_waits_for_a_surface_call_in_flight(tmp_path: Path) -> None:
         with pytest.raises(anthropic.ConflictError) as late:
             claude.messages.create(model="policy", max_tokens=5, messages=[{"role": "user", "content": "again"}])
         assert late.value.body["type"] == "error"  # type: ignore[index]
+
+
+def test_a_turn_known_only_by_its_encrypted_content_gets_the_recorded_reply_back() -> None:
+    """Codex with ``store: false`` sends an earlier reasoning item back as its opaque ``encrypted_content`` (the
+    summary may be dropped, the function call re-serialised): the proxy resolves the reference to the call it
+    recorded and puts that call's reply (reasoning, arguments exactly as sampled) back into the conversation."""
+    from lightning_sdk.types import Call
+
+    sampled = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": "Check the disk first.",
+        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "sh", "arguments": '{"cmd":"df"}'}}],
+    }
+    shown = Reply.from_chat({"choices": [{"message": sampled}]}).shown()
+    call = Call(
+        call_id="call-rec1",
+        attempt_id="at",
+        rollout_id="ro",
+        model="policy",
+        request={"messages": [{"role": "user", "content": "disk?"}], "surface": {"api": "responses", "shown": shown}},
+        response={"choices": [{"index": 0, "message": sampled, "finish_reason": "tool_calls"}]},
+        prompt_ids=[1, 2],
+        completion_ids=[3, 4],
+        logprobs=[-0.1, -0.2],
+    )
+    body = {
+        "model": "policy",
+        "input": [
+            {"type": "message", "role": "user", "content": "disk?"},
+            {"type": "reasoning", "summary": [], "encrypted_content": opaque_ref("call-rec1", "reasoning")},
+            {"type": "function_call", "call_id": "call_a", "name": "sh", "arguments": '{"cmd": "df"}'},
+            {"type": "function_call_output", "call_id": "call_a", "output": "90% used"},
+        ],
+    }
+    t = ResponsesSurface().translate(body, PriorReplies([call]), "call-new")
+    assert t.chat["messages"][1] == sampled  # the recorded reply, not the re-serialised one without reasoning
+    edited = dict(body, input=[*body["input"][:2], {**body["input"][2], "arguments": '{"cmd": "rm -rf /"}'}])
+    t2 = ResponsesSurface().translate(edited, PriorReplies([call]), "call-new2")
+    assert t2.chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"cmd": "rm -rf /"}'  # kept as sent
+    assert "reasoning_content" not in t2.chat["messages"][1]

@@ -81,8 +81,8 @@ async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> Non
     its failed attempt never trained), not the store's default of one try."""
     import sqlite3
 
+    from lightning_sdk.app.job import build_daemon
     from lightning_sdk.trainer.config import load_train_config
-    from lightning_sdk.trainer.run import build_daemon
     from tests.trainer.tiny import build_small_policy, write_config
 
     model = build_small_policy(tmp_path / "policy", hidden=32, layers=2)

@@ -55,3 +55,12 @@ def test_gain_target_triggers_a_check_and_raises_the_bar_after_a_miss() -> None:
     assert not target.due()  # min_steps since the last check
     target.observe_step([1.0] * 64)
     assert target.due() and target.reached(0.52) is True and target.checks == 2
+
+
+def test_the_calc_example_config_turns_both_on() -> None:
+    from lightning_sdk.trainer.config import load_train_config
+    from tests.trainer.tiny import EXAMPLE
+
+    config = load_train_config(EXAMPLE)
+    assert config.rl.target_gain == pytest.approx(0.30) and config.rl.replay_share == pytest.approx(0.5)
+    assert config.learner.micro_batch_tokens == 4096

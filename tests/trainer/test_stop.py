@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sdk.app.job import prepare_run_dir
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.checkpoint import load_checkpoint
-from lightning_sdk.trainer.run import prepare_run_dir
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sdk.app import run_training
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import load_train_config
 from lightning_sdk.trainer.learner import token_logprobs
-from lightning_sdk.trainer.run import run_training
 from lightning_sdk.types import Call
 from tests.trainer.tiny import build_small_policy, write_config
 
@@ -116,12 +116,15 @@ def _config(tmp_path: Path, policy: Path, top: str, **sections: dict[str, object
 @pytest.mark.parametrize(
     ("top", "sections", "message"),
     [
-        ('backend = "megatron"', {}, "backend 'megatron' is not one of embedded, verl"),
-        ("", {"engine": {"kind": "tgi"}}, "engine.kind 'tgi' is not one of embedded, sglang, vllm"),
+        ('backend = "megatron"', {}, "backend: Input should be 'embedded' or 'verl'"),
+        ("", {"engine": {"kind": "tgi"}}, "engine.kind: Input should be 'embedded', 'sglang' or 'vllm'"),
         ("", {"engine": {"kind": "sglang"}}, "needs engine.urls (running servers) or engine.launch = true"),
         ("", {"engine": {"urls": ["http://x:1"]}}, "not 'embedded'"),
         ("", {"verl": {"device": "cpu"}}, "a [verl] section needs backend = 'verl'"),
-        ('backend = "verl"', {"verl": {"n_gpu": 2}}, "verl.n_gpu: Extra inputs are not permitted (valid keys: "),
+        ('backend = "verl"', {"verl": {"n_gpu": 2}}, "verl.n_gpu: unknown key (valid: model_dir, device, n_gpus, "),
+        ("", {"rl": {"lr": 0.1}}, "rl.lr: unknown key (valid: steps, "),
+        ("", {"rl": {"clip_ratio_c": 2.0}}, "did you mean learner.clip_ratio_c"),
+        ("", {"learner": {"loss": "ppo"}}, "unknown policy loss 'ppo'; valid: ppo_clip, reinforce"),
         ('backend = "verl"', {"verl": {"device": "tpu"}}, "verl.device: Input should be 'cuda' or 'cpu'"),
         ('backend = "verl"', {"verl": {"model_dir": "/m"}}, "verl.model_dir is set by the trainer"),
         ('backend = "verl"', {"verl": {"temperature": 0.7}}, "verl.temperature must equal rl.temperature"),
@@ -137,19 +140,21 @@ def test_config_errors_name_the_valid_values(
 
 
 def test_the_verl_section_reaches_verl_config(tmp_path: Path, small_policy: Path) -> None:
-    """``[rl]`` settings are the defaults, ``[verl]`` keys win, launch keys stay out of ``VerlConfig``."""
+    """``[verl]`` is verl's own config (its defaults, our keys on top), with the policy directory and the sampling
+    temperature; launch keys stay out of ``VerlConfig``."""
     from lightning_sdk.trainer.factory import verl_config
 
     path = _config(
         tmp_path,
         small_policy,
         'backend = "verl"',
-        rl={"lr": 3e-5, "clip_ratio": 0.1},
-        verl={"device": "cpu", "use_ray": False, "clip_ratio_high": 0.28},
+        rl={"temperature": 0.7},
+        verl={"device": "cpu", "use_ray": False, "lr": 3e-5, "clip_ratio_low": 0.1, "weight_decay": 0.01},
         **{"verl.overrides": {'"trainer.seed"': 7}},
     )
     cfg = verl_config(load_train_config(path), small_policy)
-    assert (cfg.lr, cfg.clip_ratio_low, cfg.clip_ratio_high) == (3e-5, 0.1, 0.28)
+    assert (cfg.lr, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.weight_decay) == (3e-5, 0.1, 0.28, 0.01)
+    assert cfg.temperature == 0.7 and not hasattr(cfg, "use_ray")
     assert cfg.device == "cpu" and cfg.overrides == {"trainer.seed": 7} and cfg.model_dir == str(small_policy)
 
 

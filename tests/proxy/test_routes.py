@@ -1,0 +1,184 @@
+"""Every route: the body limit before reading (413), a read timeout for incomplete requests (408), one bearer parser,
+400 for out-of-range integers on store routes, a bounded enqueue, a client hanging up mid-body not logged as an
+error, and hand-opened sessions traced (not trained) unless the request names a split and a group.
+
+Real proxy app under uvicorn on loopback, real SQLite store, httpx and raw sockets as clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lightning_sdk.proxy import ProxyConfig
+from tests.support.proxy import ADMIN_KEY, ProxyHandle, run_proxy
+from tests.support.servers import RunningServer
+
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def strict_px(upstream: RunningServer, tmp_path: Path) -> Iterator[ProxyHandle]:
+    config = ProxyConfig(max_body_bytes=64 * 1024, max_control_body_bytes=4096, read_timeout_s=0.5)
+    with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", config=config) as handle:
+        yield handle
+
+
+def _raw(px: ProxyHandle, head: bytes, body: bytes = b"", *, wait_s: float = 3.0, close: bool = False) -> bytes:
+    """Send raw bytes to the proxy and return what it answers within ``wait_s`` (b"" when it answers nothing)."""
+    with socket.create_connection((px.server.host, px.server.port)) as sock:
+        sock.sendall(head + body)
+        if close:
+            return b""
+        sock.settimeout(wait_s)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+                more = sock.recv(65536)
+                if not more:
+                    break
+                data += more
+        except TimeoutError:
+            pass
+        return data
+
+
+def _length(data: bytes) -> int:
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/lightning/v1/finish", "/lightning/v1/reward", "/lightning/v1/sessions", "/t/tok/lightning/v1/finish"],
+)
+def test_control_routes_refuse_big_bodies_before_reading_or_authenticating(strict_px: ProxyHandle, path: str) -> None:
+    """413 from the Content-Length alone (nothing read, no key needed to be refused), and for a chunked body as
+    soon as the limit is passed."""
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {256 * 2**20}\r\n\r\n"
+    answer = _raw(strict_px, head.encode(), b"{")
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+    assert b"request_too_large" in answer
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(10):
+            yield b"x" * 1000
+
+    r = strict_px.http.post(path, content=chunks(), headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+
+def test_store_routes_have_the_body_limit_too(strict_px: ProxyHandle) -> None:
+    big = {"calls": [], "pad": "x" * (80 * 1024)}
+    r = strict_px.http.post("/lightning/v1/store/calls", json=big, headers=strict_px.admin)
+    assert r.status_code == 413
+
+
+@pytest.mark.parametrize("path", ["/lightning/v1/finish", "/v1/chat/completions", "/lightning/v1/store/calls"])
+def test_incomplete_request_bodies_are_closed_after_the_read_timeout(strict_px: ProxyHandle, path: str) -> None:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    t0 = time.monotonic()
+    answer = _raw(strict_px, head.encode(), b'{"status": ', wait_s=5.0)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:100]
+    assert 0.4 <= time.monotonic() - t0 < 4.0
+    assert b"incomplete request" in answer
+
+
+def test_client_hanging_up_mid_body_is_not_an_error(strict_px: ProxyHandle, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        for path in ("/lightning/v1/finish", "/v1/chat/completions", "/lightning/v1/store/calls"):
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+            _raw(strict_px, head.encode(), b'{"a": ', close=True)
+        time.sleep(0.5)
+        assert strict_px.http.get("/lightning/v1/health").status_code == 200
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_one_bearer_parser_for_every_route(px: ProxyHandle, scheme: str) -> None:
+    admin = {"Authorization": f"{scheme}  {ADMIN_KEY}"}
+    assert px.http.get("/lightning/v1/store/counts", headers=admin).status_code == 200
+    assert px.http.get("/lightning/v1/rollouts", headers=admin).status_code == 200
+    s = px.http.post("/lightning/v1/sessions", json={}, headers=admin).json()
+    token = {"Authorization": f"{scheme} {s['token']}"}
+    assert px.http.post("/v1/chat/completions", json=CHAT, headers=token).status_code == 200
+    assert px.http.post("/lightning/v1/reward", json={"value": 1}, headers=token).status_code == 200
+    assert px.http.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=token).status_code == 200
+
+
+def test_401_and_409_say_do_not_retry(px: ProxyHandle) -> None:
+    for r in (
+        px.http.post("/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer nope"}),
+        px.http.get("/lightning/v1/store/counts"),
+        px.http.get("/lightning/v1/rollouts"),
+    ):
+        assert r.status_code == 401 and r.headers["x-should-retry"] == "false"
+
+
+HUGE = 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/rollouts?limit=18446744073709551615", None),
+        ("GET", "/groups/finished?limit=18446744073709551615", None),
+        ("POST", "/enqueue", {"tasks": [{"q": 1}], "max_attempts": HUGE}),
+        ("POST", "/enqueue", {"tasks": [{"q": 1}], "n": 100_000}),
+        ("POST", "/versions", {"version": HUGE}),
+        ("POST", "/groups/consume", {"step": HUGE, "group_ids": ["g"]}),
+    ],
+)
+def test_store_routes_answer_400_for_out_of_range_integers(
+    px: ProxyHandle, method: str, path: str, body: dict[str, object] | None
+) -> None:
+    r = px.http.request(method, "/lightning/v1/store" + path, json=body, headers=px.admin)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_call_with_an_out_of_range_seq_is_refused_by_the_store_route(px: ProxyHandle) -> None:
+    s = px.session()
+    call = {"call_id": "c1", "attempt_id": s["attempt_id"], "rollout_id": s["rollout_id"], "seq": HUGE, "model": "m"}
+    r = px.http.post("/lightning/v1/store/calls", json={"calls": [call]}, headers=px.admin)
+    assert r.status_code == 400 and "out of range" in r.json()["error"]["message"]
+    assert px.http.get("/lightning/v1/health").status_code == 200
+
+
+def test_hand_opened_sessions_are_traced_not_trained_unless_split_and_group_are_given(px: ProxyHandle) -> None:
+    traced = px.session({"q": 1})
+    assert traced["split"] == "traced"
+    r = px.http.post("/lightning/v1/sessions", json={"split": "train"}, headers=px.admin)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "split"
+    trained = px.http.post(
+        "/lightning/v1/sessions", json={"task": {"q": 2}, "split": "train", "group": "g-hand"}, headers=px.admin
+    ).json()
+    assert trained["split"] == "train" and trained["group"] == "g-hand"
+    for s in (traced, trained):
+        px.http.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['token']}"})
+        assert px.finish(s["token"]).status_code == 200
+    train_groups = px.call(px.store.finished_groups(split="train"))
+    assert [g.group.group_id for g in train_groups] == ["g-hand"]  # what a trainer daemon would train
+    (traced_group,) = px.call(px.store.finished_groups(split="traced"))
+    assert traced_group.rollouts[0].rollout.rollout_id == traced["rollout_id"]
+    assert px.rollout(traced["rollout_id"])["split"] == "traced"
+
+
+def test_models_retrieve(px: ProxyHandle) -> None:
+    import openai
+
+    s = px.session()
+    client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)
+    model = client.models.retrieve("policy")
+    assert model.id == "policy" and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-served")
+    assert httpx.get(px.url + "/v1/models/policy").status_code == 200
