@@ -55,7 +55,8 @@ def run(out: Path, overrides: list[str]) -> dict[str, Any]:
 
 def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = run_dir / "metrics.jsonl"  # absent when RL ran no step (the budget went on the warm start)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     before, after = summary["eval_before"]["success_rate"], summary["eval_after"]["success_rate"]
     tl: dict[str, float] = summary.get("timeline") or {}
     rl = summary.get("rl") or {}

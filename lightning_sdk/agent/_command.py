@@ -110,6 +110,26 @@ def _load_callable(spec: str, base_dir: Path | None = None) -> Callable[..., Any
     return obj  # type: ignore[no-any-return]
 
 
+def _claim_neighbours(directory: Path) -> None:
+    """Let a user file import its neighbours by bare name (``from tasks import ...``): its folder goes first on
+    ``sys.path``, and a same-named neighbour of another user folder imported earlier in this process (two examples
+    that each have a ``tasks.py``) is dropped from ``sys.modules`` so the import finds this folder's file. Modules
+    of the interpreter and of installed packages are never dropped."""
+    folder = str(directory)
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    for neighbour in directory.glob("*.py"):
+        earlier = sys.modules.get(neighbour.stem)
+        where = getattr(earlier, "__file__", None)
+        if earlier is None or where is None:
+            continue
+        origin = Path(where).resolve()
+        if origin.parent != directory and not any(origin.is_relative_to(p) for p in installed):
+            del sys.modules[neighbour.stem]
+
+
 def _import_path(path: Path) -> Any:
     """Import a Python file as a module (once per resolved path); its directory goes on ``sys.path``."""
     resolved = path.resolve()
@@ -123,8 +143,7 @@ def _import_path(path: Path) -> Any:
         raise ImportError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    if str(resolved.parent) not in sys.path:
-        sys.path.insert(0, str(resolved.parent))  # so the file can import its neighbours
+    _claim_neighbours(resolved.parent)
     try:
         spec.loader.exec_module(module)
     except BaseException:

@@ -26,6 +26,9 @@ class Sampling(BaseModel):
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)  # stop strings (the matched text is not part of the reply)
     stop_token_ids: list[int] = Field(default_factory=list)  # besides the tokenizer's EOS ids
+    # OpenAI's response_format (json_object / json_schema): guided decoding, for engines that declare
+    # ``supports_response_format`` (vLLM, SGLang); the proxy refuses it (400) for the others
+    response_format: dict[str, Any] | None = None
 
     def overridden(self, override: dict[str, Any] | None) -> Sampling:
         """The trainer's sampling override applied: its values replace the request's, except ``max_tokens``, which

@@ -25,6 +25,7 @@ trainer's importance ratio needs.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
@@ -75,6 +76,8 @@ def _logprobs(meta: dict[str, Any], ids: list[int]) -> list[float]:
 class SGLangEngine(RemoteEngine):
     """One or more SGLang servers (``http://host:port``) serving the policy (implements ``Engine``)."""
 
+    supports_response_format = True  # guided decoding: the proxy passes response_format on
+
     def __init__(
         self,
         base_urls: str | Sequence[str],
@@ -105,6 +108,10 @@ class SGLangEngine(RemoteEngine):
             params["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
+        fmt = sampling.response_format
+        if fmt is not None:  # guided decoding: sampling_params.json_schema (a JSON string)
+            schema = (fmt.get("json_schema") or {}).get("schema") if fmt.get("type") == "json_schema" else None
+            params["json_schema"] = json.dumps(schema if isinstance(schema, dict) else {"type": "object"})
         return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "stream": stream}
 
     async def _generate_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> Generation:

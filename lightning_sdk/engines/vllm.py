@@ -78,6 +78,8 @@ def _ids_and_logprobs(choice: dict[str, Any]) -> tuple[list[int], list[float]]:
 class VLLMEngine(RemoteEngine):
     """One or more vLLM OpenAI servers (``http://host:port``, no ``/v1``) serving the policy (``Engine``)."""
 
+    supports_response_format = True  # guided decoding: the proxy passes response_format on
+
     def __init__(
         self,
         base_urls: str | Sequence[str],
@@ -112,6 +114,8 @@ class VLLMEngine(RemoteEngine):
             body["stop"] = list(sampling.stop)
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.response_format is not None:  # guided decoding (CompletionRequest.response_format)
+            body["response_format"] = sampling.response_format
         return body
 
     async def _generate_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> Generation:

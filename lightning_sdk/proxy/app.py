@@ -298,7 +298,7 @@ class Proxy:
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise ProxyHTTPError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
-        message = await _receive_within(receive, self.config.read_timeout_s)
+        message = await receive()  # the whole body is usually here already (silence before it: serve's protocol)
         data: bytes = message.get("body", b"")
         if message.get("more_body"):
             parts = [data]
@@ -692,8 +692,10 @@ class ProxyApp:
                     raise ProxyHTTPError(413, f"request body of {int(value)} bytes is over the limit of {limit} bytes")
             parts: list[bytes] = []
             size = 0
+            message = await receive()  # usually the whole body (silence before it: serve's protocol)
             while True:
-                message = await _receive_within(receive, config.read_timeout_s)
+                if parts:
+                    message = await _receive_within(receive, config.read_timeout_s)
                 if message["type"] == "http.disconnect":
                     logger.debug("%s %s: the client hung up while sending the body", scope["method"], path)
                     return None

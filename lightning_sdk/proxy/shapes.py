@@ -104,11 +104,13 @@ def chat_tokens(resp: dict[str, Any]) -> EngineTokens:
     if not isinstance(lp, dict):
         raise MalformedAnswer("choices[0].logprobs: expected an object")
     content = lp.get("content")
-    if content is not None and (not isinstance(content, list) or not all(isinstance(t, dict) for t in content)):
-        raise MalformedAnswer("choices[0].logprobs.content: expected a list of objects")
     logprobs = None
     if content is not None:
-        logprobs = _logprobs([t.get("logprob") for t in content], "choices[0].logprobs.content[].logprob")
+        try:
+            values = [t.get("logprob") for t in content]
+        except (AttributeError, TypeError):
+            raise MalformedAnswer("choices[0].logprobs.content: expected a list of objects") from None
+        logprobs = _logprobs(values, "choices[0].logprobs.content[].logprob")
     return EngineTokens(
         prompt_ids=_ids(resp.get("prompt_token_ids"), "prompt_token_ids"),
         completion_ids=_ids(first.get("token_ids"), "choices[0].token_ids"),

@@ -267,6 +267,9 @@ class TokenModeBackend:
         for key in ("temperature", "top_p", "seed"):
             if body.get(key) is not None:
                 fields[key] = body[key]
+        fmt = body.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            fields["response_format"] = fmt  # only reaches engines that support it (check_token_mode_request)
         try:
             return Sampling(**fields)
         except ValidationError as exc:

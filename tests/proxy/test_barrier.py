@@ -233,3 +233,30 @@ def test_the_openai_client_does_not_retry_a_409(px: ProxyHandle, upstream: Runni
     with pytest.raises(openai.ConflictError):
         client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     assert seen == [409] and mock.n_requests == before
+
+
+class _RefusingStore(MemoryStore):
+    """A MemoryStore whose call writes fail (a stand-in for a store that refuses a row: a real SQLite store does
+    not refuse well-formed calls, so the failure is injected here)."""
+
+    async def record_calls(self, calls: list[Any]) -> None:
+        from lightning_sdk.errors import StoreError
+
+        raise StoreError("disk says no")
+
+
+async def test_a_call_that_could_not_be_recorded_never_lets_the_attempt_succeed_silently() -> None:
+    mock = MockOpenAI()
+    store = _RefusingStore()
+    async with serve_async(mock.app) as upstream:
+        app = create_app(store, policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key=ADMIN_KEY)
+        async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
+            s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
+            r = await http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"]))
+            assert r.status_code == 200
+            fin = await http.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=_auth(s["token"]))
+    answer = fin.json()
+    assert fin.status_code == 200 and answer["status"] == "failed"
+    assert answer["calls"] == 0 and answer["calls_not_recorded"] == 1 and "disk says no" in answer["error"]
+    (attempt,) = (await store.get_rollout(s["rollout_id"])).attempts
+    assert attempt.attempt.status is AttemptStatus.FAILED and "could not be recorded" in (attempt.attempt.error or "")

@@ -182,3 +182,34 @@ def test_models_retrieve(px: ProxyHandle) -> None:
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("not-served")
     assert httpx.get(px.url + "/v1/models/policy").status_code == 200
+
+
+def test_incomplete_requests_are_closed_by_the_serving_protocol(upstream: RunningServer, tmp_path: Path) -> None:
+    """The proxy's uvicorn protocol (``serve.header_timeout_protocol``) answers 408 and closes a connection whose
+    request (headers or body) stays incomplete and silent (a silent new connection too); complete requests and idle
+    keep-alive connections are unaffected."""
+    from lightning_sdk.proxy import create_app
+    from lightning_sdk.proxy.passthrough import PassthroughBackend
+    from lightning_sdk.proxy.serve import header_timeout_protocol
+    from lightning_sdk.store import SQLiteStore
+    from tests.support.servers import run_server
+
+    app = create_app(
+        SQLiteStore(tmp_path / "h.db"), policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key="k"
+    )
+    with run_server(app, http=header_timeout_protocol(0.5)) as srv:
+        partial_body = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"
+        for sent in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le", b"", partial_body):
+            with socket.create_connection((srv.host, srv.port)) as sock:
+                t0 = time.monotonic()
+                sock.sendall(sent)
+                sock.settimeout(5.0)
+                data = b""
+                while chunk := sock.recv(4096):
+                    data += chunk
+                assert 0.4 <= time.monotonic() - t0 < 4.0
+            assert data.startswith(b"HTTP/1.1 408") and b"incomplete request" in data
+        with httpx.Client(base_url=srv.url) as client:  # keep-alive requests, slower than the timeout apart
+            assert client.get("/lightning/v1/health").status_code == 200
+            time.sleep(0.7)
+            assert client.get("/lightning/v1/health").status_code == 200

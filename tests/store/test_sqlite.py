@@ -33,16 +33,19 @@ def _run_writer_and_kill(db: Path, kill_after_finishes: int) -> tuple[list[str],
     assert proc.stdout is not None
     calls: list[str] = []
     finished: list[str] = []
+    killed = False
     try:
+        # Read every line the writer printed, also those still in the pipe after the kill: on a loaded machine the
+        # writer runs ahead of this reader, and each printed line is a write it reported committed.
         for line in proc.stdout:
             kind, *ids = line.split()
             if kind == "CALL":
                 calls.extend(ids)
             elif kind == "FINISH":
                 finished.extend(ids)
-                if len(finished) >= kill_after_finishes:
+                if len(finished) >= kill_after_finishes and not killed:
                     os.kill(proc.pid, signal.SIGKILL)  # the writer is already busy with its next attempt
-                    break
+                    killed = True
     finally:
         proc.kill()
         proc.wait(timeout=30)
@@ -54,7 +57,7 @@ def _run_writer_and_kill(db: Path, kill_after_finishes: int) -> tuple[list[str],
 async def test_committed_data_survives_sigkill(tmp_path: Path, kill_after: int) -> None:
     db = tmp_path / "crash.db"
     calls, finished = _run_writer_and_kill(db, kill_after)
-    assert len(finished) == kill_after and len(calls) >= 3 * kill_after
+    assert len(finished) >= kill_after and len(calls) >= 3 * len(finished)
 
     raw = sqlite3.connect(db)
     assert raw.execute("PRAGMA integrity_check").fetchone() == ("ok",)
@@ -72,8 +75,8 @@ async def test_committed_data_survives_sigkill(tmp_path: Path, kill_after: int) 
             more, cursor = await store.list_rollouts(limit=1000, after=cursor)
             rollouts.extend(more)
         counts = await store.counts()
-        # the writer may have committed a little more than it managed to report before the kill
-        assert len(finished) <= counts["succeeded"] <= len(finished) + 2 and counts["running"] <= 1
+        # the writer may have committed one finish it had not yet printed when the kill landed
+        assert len(finished) <= counts["succeeded"] <= len(finished) + 1 and counts["running"] <= 1
         touched = [r for r in rollouts if r.status is not RolloutStatus.QUEUED]
         for r in touched:
             detail = await store.get_rollout(r.rollout_id)

@@ -533,3 +533,31 @@ def test_parameters_the_engine_cannot_honour_are_refused_and_recorded_as_failed(
     assert refused.error is not None and param in refused.error and refused.checks["param"] == param
     assert (refused.prompt_ids, refused.completion_ids, refused.response) == ([], [], {})
     assert served.error is None and served.completion_ids == engine.sampled[0]
+
+
+async def test_response_format_reaches_engines_with_guided_decoding() -> None:
+    """``response_format`` is refused (400) by the embedded engine but handed to engines that declare guided
+    decoding; the vLLM client sends it as ``response_format`` on ``/v1/completions`` and the SGLang client as
+    ``sampling_params.json_schema`` (vLLM ``CompletionRequest.response_format``; SGLang
+    ``SamplingParams.json_schema``)."""
+    from lightning_sdk.engines.base import Sampling
+    from lightning_sdk.engines.sglang import SGLangEngine
+    from lightning_sdk.engines.vllm import VLLMEngine
+
+    renderer = renderer_for("qwen3")
+    engine = ScriptedEngine(renderer, [renderer.encode('{"a": 1}<|im_end|>')])
+    engine.supports_response_format = True  # type: ignore[attr-defined]
+    backend = TokenModeBackend(engine, renderer)  # type: ignore[arg-type]
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    body = {"model": "policy", "messages": [{"role": "user", "content": "json"}], "response_format": schema}
+    r = await backend.chat(body, _ctx())
+    assert r.response["choices"][0]["message"]["content"] == '{"a": 1}'
+    assert engine.sampling[0].response_format == schema
+    sampling = Sampling(max_tokens=4, response_format=schema)
+    vllm_body = VLLMEngine("http://127.0.0.1:1")._body([1, 2], sampling, stream=False)
+    assert vllm_body["response_format"] == schema
+    sglang_body = SGLangEngine._body(
+        [1, 2], Sampling(max_tokens=4, response_format={"type": "json_object"}), stream=False
+    )
+    assert json.loads(sglang_body["sampling_params"]["json_schema"]) == {"type": "object"}
+    assert "response_format" not in VLLMEngine("http://127.0.0.1:1")._body([1], Sampling(), stream=False)
