@@ -95,7 +95,7 @@ def test_gpu_recipe_and_third_party_agent_load() -> None:
 
     config = load_train_config(EXAMPLE / "train_gpu.toml")
     assert (config.backend, config.engine.kind, config.engine.launch) == ("verl", "vllm", True)
-    assert config.verl["n_gpus"] == 4 and config.engine.gpus == [[4], [5], [6], [7]]
+    assert config.verl.n_gpus == 4 and config.verl.lr == 1.0e-6 and config.engine.gpus == [[4], [5], [6], [7]]
     gpu = la.load_agent(f"{EXAMPLE / 'agent_gpu.py'}:agent")
     mini = la.load_agent(f"{EXAMPLE / 'agent_mini.py'}:agent")
     assert isinstance(gpu, la.CommandAgent) and isinstance(mini, la.CommandAgent)
