@@ -16,7 +16,8 @@ in for an optimizer step, which is not part of publication), then
   update_weights`` (pause, ``collective_rpc`` reload + tied head, reset prefix cache, resume) -> a one-token call.
 
 Throughput: the same ``--requests`` chat requests (calc-example questions, ``--max-tokens``, temperature 1, seeded)
-at concurrency ``--concurrency``, first straight to vLLM's ``/v1/chat/completions``, then through the tracing proxy
+at concurrency ``--concurrency``, after a warm-up, twice each way alternating (vLLM's prefix cache reset before each
+run; the mean is reported): straight to vLLM's ``/v1/chat/completions``, and through the tracing proxy
 in token mode (renders the chat, calls vLLM's ``/v1/completions`` with token ids, parses the reply, records every
 call in SQLite) — the trainer's path. Reported: completion tokens/s each way and proxied/direct. The proxy runs in
 this process (a uvicorn thread) beside the load generator, so its ratio is, if anything, pessimistic; vLLM takes
@@ -137,7 +138,14 @@ def throughput(model_dir: Path, vllm_url: str, n: int, concurrency: int, max_tok
          "temperature": 1.0, "seed": i}
         for i, t in enumerate(tasks)
     ]  # fmt: skip
-    direct_tokens, direct_s = asyncio.run(_load(f"{vllm_url}/v1/chat/completions", bodies, ["x"] * n, concurrency))
+    direct_url = f"{vllm_url}/v1/chat/completions"
+
+    def reset_cache() -> None:  # the same prompts go both ways: no phase may reuse the other's cached prefixes
+        httpx.post(f"{vllm_url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+    warm = [dict(b, seed=10_000 + i) for i, b in enumerate(bodies[: max(1, n // 4)])]
+    asyncio.run(_load(direct_url, warm, ["x"] * len(warm), concurrency))  # warm-up, not measured
+    runs: dict[str, list[tuple[int, float]]] = {"direct": [], "proxy": []}
 
     admin = "bench-admin"
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,13 +156,17 @@ def throughput(model_dir: Path, vllm_url: str, n: int, concurrency: int, max_tok
         with run_server(app) as proxy:
             with httpx.Client(base_url=proxy.url, headers={"Authorization": f"Bearer {admin}"}) as c:
                 keys = [c.post("/lightning/v1/sessions", json={"task": {"i": i}}).json()["token"] for i in range(n)]
-            proxy_tokens, proxy_s = asyncio.run(_load(f"{proxy.url}/v1/chat/completions", bodies, keys, concurrency))
+            for _ in range(2):  # alternating, each after a prefix-cache reset
+                reset_cache()
+                runs["direct"].append(asyncio.run(_load(direct_url, bodies, ["x"] * n, concurrency)))
+                reset_cache()
+                runs["proxy"].append(asyncio.run(_load(f"{proxy.url}/v1/chat/completions", bodies, keys, concurrency)))
             proxy.call(engine.close())
     return {
-        "direct_tok_s": direct_tokens / direct_s,
-        "proxy_tok_s": proxy_tokens / proxy_s,
-        "direct_tokens": direct_tokens,
-        "proxy_tokens": proxy_tokens,
+        "direct_tok_s": statistics.mean(t / s for t, s in runs["direct"]),
+        "proxy_tok_s": statistics.mean(t / s for t, s in runs["proxy"]),
+        "direct_tokens": float(runs["direct"][0][0]),
+        "proxy_tokens": float(runs["proxy"][0][0]),
     }
 
 
@@ -189,7 +201,10 @@ def main() -> None:
     print(f"{'    checkpoint written':<34}{pub['vllm']['save']:>10.3f}")
     print(f"{'    reload (pause..resume)':<34}{pub['vllm']['load']:>10.3f}")
     print(f"{'  vLLM / embedded':<34}{pub['vllm']['total'] / pub['embedded']['total']:>9.1f}x")
-    print(f"throughput, {args.requests} chat requests x {args.max_tokens} max tokens at concurrency {args.concurrency}")
+    print(
+        f"throughput, {args.requests} chat requests x {args.max_tokens} max tokens, "
+        f"concurrency {args.concurrency}, mean of 2"
+    )
     print(f"  direct to vLLM   {tp['direct_tok_s']:>8.1f} tok/s ({tp['direct_tokens']:.0f} tokens)")
     print(f"  through proxy    {tp['proxy_tok_s']:>8.1f} tok/s ({tp['proxy_tokens']:.0f} tokens)")
     print(f"  proxied / direct {tp['proxy_tok_s'] / tp['direct_tok_s']:>8.2f}")
