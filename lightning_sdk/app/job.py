@@ -32,7 +32,7 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
-from lightning_sdk.records import AdvantageConfig, RecordsConfig
+from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
@@ -85,6 +85,18 @@ def prepare_policy(config: TrainConfig, run_dir: Path, demonstrations: list[dict
     return build_policy(out, corpus, shape)
 
 
+def records_config(config: TrainConfig, engine: object) -> RecordsConfig:
+    """How the trainer builds records: the ``[rl]`` estimator, and rows never longer than the engine's context
+    (``max_model_len`` where the engine tells it): a longer segment is cut and flagged ``truncated``, which the
+    fidelity report counts, so no row is trained past the context."""
+    rl = config.rl
+    limit = getattr(engine, "max_model_len", None)
+    return RecordsConfig(
+        merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
+        advantage=AdvantageConfig(estimator=rl.estimator, drop_zero_variance=rl.drop_zero_variance),
+    )
+
+
 def build_daemon(
     config: TrainConfig,
     run_dir: Path,
@@ -99,7 +111,7 @@ def build_daemon(
     rl = config.rl
     parts = build_parts(config, run_dir, model_dir)
     store = open_store(run_dir / "store.db")
-    records = RecordsConfig(advantage=AdvantageConfig(estimator=rl.estimator, drop_zero_variance=rl.drop_zero_variance))
+    records = records_config(config, parts.engine)
     sampler = (
         TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
         if rl.replay_share > 0 and train_tasks

@@ -35,3 +35,43 @@ def test_one_sampling_override_rule_for_every_engine() -> None:
     forced = asked.overridden({"temperature": 0.0, "max_tokens": 64})
     assert (forced.temperature, forced.max_tokens, forced.top_p) == (0.0, 20, 0.9)
     assert asked.overridden({"max_tokens": 8}).max_tokens == 8
+
+
+def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
+    """The trainer's records config cuts segments at the engine's ``max_model_len`` (flagged ``truncated``), so a
+    row longer than the context is never trained; an engine that does not tell its context leaves rows whole."""
+    from types import SimpleNamespace
+
+    from lightning_sdk.app.job import records_config
+    from lightning_sdk.records import build_records
+    from lightning_sdk.types import (
+        Attempt,
+        AttemptDetail,
+        AttemptStatus,
+        Call,
+        FinishedGroup,
+        Group,
+        Reward,
+        Rollout,
+        RolloutDetail,
+    )
+
+    (tmp_path / "train.toml").write_text('agent = "agent.py:agent"\n')
+    config = load_train_config(tmp_path)
+    assert records_config(config, SimpleNamespace(max_model_len=16)).merge.max_length == 16
+    assert records_config(config, object()).merge.max_length is None
+
+    details = []
+    for i, reward in enumerate((0.0, 1.0)):
+        rid, aid = f"r{i}", f"r{i}-a"
+        call = Call(call_id=f"{aid}-0", attempt_id=aid, rollout_id=rid, seq=0, model="policy",
+                    prompt_ids=list(range(12)), completion_ids=list(range(100, 110)), logprobs=[-0.5] * 10)  # fmt: skip
+        att = Attempt(attempt_id=aid, rollout_id=rid, index=0, token=aid, status=AttemptStatus.SUCCEEDED)
+        rew = [Reward(rollout_id=rid, attempt_id=aid, value=reward)]
+        ro = Rollout(rollout_id=rid, group_id="g", task={})
+        details.append(RolloutDetail(rollout=ro, attempts=[AttemptDetail(attempt=att, calls=[call], rewards=rew)]))
+    group = [FinishedGroup(Group(group_id="g", task={}, n=2), details)]
+    cut = build_records(group, records_config(config, SimpleNamespace(max_model_len=16)))
+    assert cut.records and all(len(r.input_ids) == 16 and r.segment.truncated for r in cut.records)
+    whole = build_records(group, records_config(config, object()))
+    assert all(len(r.input_ids) == 22 and not r.segment.truncated for r in whole.records)
