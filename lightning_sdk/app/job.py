@@ -93,7 +93,11 @@ def records_config(config: TrainConfig, engine: object) -> RecordsConfig:
     limit = getattr(engine, "max_model_len", None)
     return RecordsConfig(
         merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
-        advantage=AdvantageConfig(estimator=rl.estimator, drop_zero_variance=rl.drop_zero_variance),
+        advantage=AdvantageConfig(
+            estimator=rl.estimator,
+            drop_zero_variance=rl.drop_zero_variance,
+            drop_single_groups=not rl.train_single_groups,
+        ),
     )
 
 

@@ -110,6 +110,7 @@ class BuildResult:
     groups: int = 0
     zero_variance_groups: int = 0
     dropped_groups: int = 0
+    single_groups: int = 0
 
     def summary(self) -> dict[str, Any]:
         trained = [r for r in self.reports if r.trained]
@@ -127,6 +128,7 @@ class BuildResult:
             "records": len(self.records),
             "zero_variance_groups": self.zero_variance_groups,
             "dropped_groups": self.dropped_groups,
+            "single_groups": self.single_groups,
             "calls": sum(r.stats.calls for r in self.reports),
             "trained_calls": sum(r.stats.trained_calls for r in trained),
             "failed_calls": sum(r.stats.failed_calls for r in self.reports),
@@ -253,12 +255,22 @@ def build_records(groups: Sequence[FinishedGroup], config: RecordsConfig | None 
     flat = zero_variance_groups(items)
     flat_groups = {gidx[i] for i in np.flatnonzero(flat).tolist()}
 
+    sizes = np.bincount(np.asarray([a.group_pos for a in chosen], dtype=np.int64), minlength=len(groups))
+    single_groups = {int(g) for g in np.flatnonzero(sizes == 1).tolist()}
+
     records: list[Record] = []
+    dropped: set[int] = set()
     for a in chosen:
         a.report.zero_variance_group = a.group_pos in flat_groups
         if adv_cfg.drop_zero_variance and a.report.zero_variance_group:
             a.report.trained = False
             a.report.note = "zero-variance group dropped"
+            dropped.add(a.group_pos)
+            continue
+        if adv_cfg.drop_single_groups and a.group_pos in single_groups:
+            a.report.trained = False
+            a.report.note = "group of one rollout dropped (no baseline)"
+            dropped.add(a.group_pos)
             continue
         mine = adv[a.item_start : a.item_start + len(a.item_scores)]
         by_call = {cid: float(v) for cid, v in zip(a.item_call_ids, mine, strict=True) if cid is not None}
@@ -283,5 +295,6 @@ def build_records(groups: Sequence[FinishedGroup], config: RecordsConfig | None 
         reports=reports,
         groups=len(groups),
         zero_variance_groups=len(flat_groups),
-        dropped_groups=len(flat_groups) if adv_cfg.drop_zero_variance else 0,
+        dropped_groups=len(dropped),
+        single_groups=len(single_groups),
     )

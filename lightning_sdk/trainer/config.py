@@ -88,6 +88,11 @@ class RLConfig(_Section):
     max_staleness: int = Field(1, ge=0, description="drop groups sampled more than this many versions ago")
     estimator: str = Field("grpo", description="advantage estimator, by name (records/advantages.py)")
     drop_zero_variance: bool = Field(True, description="do not train groups whose rewards are all equal")
+    train_single_groups: bool = Field(
+        False,
+        description="train groups with one trained rollout (no baseline: most estimators give it its raw reward); "
+        "off by default",
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of RL rollouts (the learner uses it)")
     max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
     workers: int = Field(64, ge=1, description="in-process agent workers (train)")
@@ -105,6 +110,16 @@ class RLConfig(_Section):
         0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
     )
     max_replays: int = Field(2, ge=0, description="replays of one task in a row (trainer/sampling.py)")
+
+    @model_validator(mode="after")
+    def _groups_of_one_are_asked_for(self) -> RLConfig:
+        if self.samples_per_task == 1 and not self.train_single_groups:
+            raise ValueError(
+                "samples_per_task = 1 makes every group a group of one, which is not trained by default (no "
+                "baseline): set train_single_groups = true with an estimator meant for it (e.g. "
+                "reinforce_plus_plus_baseline), or samples_per_task >= 2"
+            )
+        return self
 
     @field_validator("estimator")
     @classmethod

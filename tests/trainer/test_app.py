@@ -75,3 +75,21 @@ def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
     assert cut.records and all(len(r.input_ids) == 16 and r.segment.truncated for r in cut.records)
     whole = build_records(group, records_config(config, object()))
     assert all(len(r.input_ids) == 22 and not r.segment.truncated for r in whole.records)
+
+
+def test_groups_of_one_are_trained_only_when_configured(tmp_path: Path) -> None:
+    """``[rl] train_single_groups`` (off by default) decides whether the trainer trains groups of one rollout;
+    ``samples_per_task = 1`` without it is a config error naming the key, not a run that silently trains nothing."""
+    import pytest
+
+    from lightning_sdk.app.job import records_config
+    from lightning_sdk.errors import ConfigError
+
+    (tmp_path / "train.toml").write_text('agent = "agent.py:agent"\n')
+    assert records_config(load_train_config(tmp_path), object()).advantage.drop_single_groups is True
+    on = load_train_config(tmp_path, {"rl.train_single_groups": "true"})
+    assert records_config(on, object()).advantage.drop_single_groups is False
+    with pytest.raises(ConfigError, match="train_single_groups"):
+        load_train_config(tmp_path, {"rl.samples_per_task": "1"})
+    one = load_train_config(tmp_path, {"rl.samples_per_task": "1", "rl.train_single_groups": "true"})
+    assert one.rl.samples_per_task == 1
