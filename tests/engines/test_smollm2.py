@@ -91,8 +91,8 @@ async def test_smollm2_served_by_the_embedded_engine_and_trained_through_the_pro
             "max_staleness": 1,
             "drop_zero_variance": False,
             "temperature": 0.7,
-            "lr": 1e-6,
         },
+        learner={"lr": 1e-6},
         eval={"enabled": False},
     )
     out = tmp_path / "run"

@@ -138,7 +138,8 @@ async def test_finish_waits_for_a_call_that_ends_within_the_timeout(tmp_path: Pa
 
 
 class _Gate:
-    """An ASGI wrapper that holds every request at the upstream until ``gate`` is set (a call kept in flight)."""
+    """An ASGI wrapper that holds every call (POST) at the upstream until ``gate`` is set (a call kept in flight);
+    the proxy's readiness probes (``GET /models``) pass, or the proxy would wait for an upstream that never answers."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -146,7 +147,7 @@ class _Gate:
         self.held = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and not self.gate.is_set():
+        if scope["type"] == "http" and scope["method"] == "POST" and not self.gate.is_set():
             self.held += 1
             await self.gate.wait()
         await self.app(scope, receive, send)
