@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply, opaque_ref
 from lightning_sdk.proxy.surfaces._handler import Translation, sse
 
@@ -55,10 +55,6 @@ def anthropic_error(err: ProxyHTTPError) -> dict[str, Any]:
     if err.code == "context_length_exceeded" and "prompt is too long" not in message:
         message = f"prompt is too long: {message}"
     return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def _bad(param: str, message: str) -> ProxyHTTPError:
-    return ProxyHTTPError(400, f"{param}: {message}", param=param)
 
 
 def _text_of(content: Any, where: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
 from lightning_sdk.proxy.surfaces._chat import ChatDeltaReader, PriorReplies, Reply, ToolUse, opaque_ref, surface_of
 from lightning_sdk.proxy.surfaces._handler import Translation, sse
 
@@ -41,10 +41,6 @@ NAMESPACE_SEP = "__"
 
 _ASSISTANT_ITEMS = ("reasoning", "function_call")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
-
-
-def _bad(param: str, message: str) -> ProxyHTTPError:
-    return ProxyHTTPError(400, f"{param}: {message}", param=param)
 
 
 def _parts_text(content: Any, where: str) -> str:
