@@ -227,29 +227,11 @@ class Proxy:
             finally:
                 if watch is not None:
                     watch.close()
-        except ProxyHTTPError as err:
-            error = err
         except UpstreamHTTPError as exc:
             error = ProxyHTTPError(exc.status_code, str(exc))
             error.payload = exc.payload
-        except LightningSDKError as exc:
-            error = from_sdk_error(exc)
-        except StopAsyncIteration:
-            error = ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
-        except Exception as exc:  # a bug must not lose the call: answer 500 (if still possible) and record it
-            logger.exception("call %s failed", ctx.call_id if ctx is not None else "?")
-            error = ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
-        except asyncio.CancelledError:
-            if state.closing == "aborting":
-                task.uncancel()  # type: ignore[union-attr]
-                error = ProxyHTTPError(409, ABORTED, code="attempt_finished")
-            elif watch is not None and watch.gone:
-                task.uncancel()  # type: ignore[union-attr]
-                error = ProxyHTTPError(
-                    499, "the agent disconnected before the reply was complete", kind="client_closed_request"
-                )
-            else:
-                raise
+        except BaseException as exc:
+            error = call_failure(exc, state, task, watch, f"call {ctx.call_id if ctx is not None else '?'}")
         finally:
             if task is not None:
                 state.tasks.discard(task)
@@ -595,6 +577,39 @@ async def _relay(
         return None, ProxyHTTPError(502, "the stream ended without a result", kind="upstream_error")
     await send({"type": "http.response.body", "body": _SSE_DONE})
     return result, None
+
+
+def call_failure(
+    exc: BaseException,
+    state: AttemptState,
+    task: asyncio.Task[Any] | None,
+    watch: _HangUpWatch | None,
+    what: str,
+) -> ProxyHTTPError:
+    """The error a call answers (when it still can) and is recorded with, when serving it raised ``exc``: a refusal
+    as it is, an SDK error by the one error table, a stream that ended before it began (502), a finish that aborted
+    it (409), the agent hanging up (499), a bug (500, logged: a bug must not lose the call). Call it from the
+    ``except`` block; any other cancellation or ``BaseException`` is re-raised."""
+    if isinstance(exc, ProxyHTTPError):
+        return exc
+    if isinstance(exc, LightningSDKError):
+        return from_sdk_error(exc)
+    if isinstance(exc, StopAsyncIteration):
+        return ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
+    if isinstance(exc, asyncio.CancelledError):
+        if state.closing == "aborting":
+            task.uncancel()  # type: ignore[union-attr]
+            return ProxyHTTPError(409, ABORTED, code="attempt_finished")
+        if watch is not None and watch.gone:
+            task.uncancel()  # type: ignore[union-attr]
+            return ProxyHTTPError(
+                499, "the agent disconnected before the reply was complete", kind="client_closed_request"
+            )
+        raise exc
+    if isinstance(exc, Exception):
+        logger.exception("%s failed", what)
+        return ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    raise exc
 
 
 class _Sent:

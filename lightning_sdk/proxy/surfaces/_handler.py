@@ -194,28 +194,10 @@ async def _serve(
         finally:
             if watch is not None:
                 watch.close()
-    except ProxyHTTPError as err:
-        error = err
     except UpstreamHTTPError as exc:
         error = upstream_refusal(exc)
-    except LightningSDKError as exc:
-        error = from_sdk_error(exc)
-    except StopAsyncIteration:
-        error = ProxyHTTPError(502, "the backend's stream ended before it began", kind="upstream_error")
-    except asyncio.CancelledError:
-        if state.closing == "aborting":
-            task.uncancel()  # type: ignore[union-attr]
-            error = ProxyHTTPError(409, _app.ABORTED, code="attempt_finished")
-        elif watch is not None and watch.gone:
-            task.uncancel()  # type: ignore[union-attr]
-            error = ProxyHTTPError(
-                499, "the agent disconnected before the reply was complete", kind="client_closed_request"
-            )
-        else:
-            raise
-    except Exception as exc:  # a bug in a translation must not lose the call: answer 500 (if still possible), record
-        logger.exception("%s surface failed", surface.api)
-        error = ProxyHTTPError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+    except BaseException as exc:  # a bug in a translation must not lose the call either (500, recorded)
+        error = _app.call_failure(exc, state, task, watch, f"{surface.api} surface")
     finally:
         if task is not None:
             state.tasks.discard(task)
