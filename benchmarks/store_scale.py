@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -265,8 +266,18 @@ def measure_export(path: Path, cap_gb: float) -> tuple[float, float, str]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=limit)
     assert proc.stdout is not None
-    output = proc.stdout.read().decode(errors="replace")
-    _, status, usage = os.wait4(proc.pid, 0)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(ln.decode(errors="replace") for ln in proc.stdout))
+    reader.start()
+    while True:  # an export past the cap raises MemoryError and may then hang: stop it there
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if any("MemoryError" in ln for ln in lines):
+            proc.kill()
+        time.sleep(0.2)
+    reader.join()
+    output = "".join(lines)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     rss_mb = usage.ru_maxrss / 1024

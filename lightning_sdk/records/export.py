@@ -170,7 +170,7 @@ PageSource = Callable[[], AsyncIterator[Sequence[FinishedGroup]]]
 """A fresh pass over the groups to export, a page at a time, e.g. ``lambda: iter_group_pages(store, split=None)``."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class ExportResult:
     """What ``export_stream`` wrote: the report's totals, and only the first reports and records (for printing)."""
 
@@ -184,6 +184,9 @@ class ExportResult:
     def summary(self) -> dict[str, Any]:
         """The same summary ``BuildResult.summary()`` gives for all the groups at once."""
         return self.totals
+
+    def __repr__(self) -> str:  # short: see BuildResult.__repr__
+        return f"ExportResult(rows={self.rows}, pages={self.pages}, passes={self.passes})"
 
 
 class _NeedsPerToken(Exception):
