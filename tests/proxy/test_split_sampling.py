@@ -88,13 +88,17 @@ async def _train_and_eval_at_once(engine: Engine, renderer: ChatRenderer, db: Pa
             async def agent(name: str, token: str) -> None:
                 async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=token, max_retries=0) as client:
                     for i in range(CALLS):
-                        await client.chat.completions.create(
-                            model="policy",
-                            messages=[{"role": "user", "content": f"{name} question {i}"}],
-                            temperature=0.5,
-                            max_tokens=50,
-                            stream=i == 1,  # the streamed path applies the rule too
-                        )
+                        messages = [{"role": "user", "content": f"{name} question {i}"}]
+                        if i == 1:  # the streamed path applies the rule too
+                            stream = await client.chat.completions.create(
+                                model="policy", messages=messages, temperature=0.5, max_tokens=50, stream=True
+                            )
+                            async for _ in stream:
+                                pass
+                        else:
+                            await client.chat.completions.create(
+                                model="policy", messages=messages, temperature=0.5, max_tokens=50
+                            )
                         await asyncio.sleep(0)  # let the other attempt's call in between
 
             await asyncio.gather(agent("train", train.attempt.token), agent("eval", evaluation.attempt.token))
@@ -118,7 +122,10 @@ def _check_rules_applied(out: dict[str, Any]) -> None:
     assert {(s.temperature, s.max_tokens) for s in out["eval"]} == {(0.0, 3)}
     for name, cap in (("train", 5), ("eval", 3)):
         calls = out["recorded"][name]
-        assert len(calls) == CALLS and all(1 <= len(c.completion_ids) <= cap for c in calls), name
+        assert len(calls) == CALLS and all(1 <= len(c.completion_ids) <= cap for c in calls), (
+            name,
+            [(len(c.completion_ids), c.error) for c in calls],
+        )
 
 
 async def test_concurrent_train_and_eval_attempts_on_the_embedded_engine(tmp_path: Path) -> None:
