@@ -40,6 +40,7 @@ from lightning_sdk.agent import WorkerPool
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.policy.model import build_policy, load_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.daemon import TrainerDaemon
@@ -87,7 +88,7 @@ async def run_mode(
         samples_per_task=samples,
         max_staleness=staleness,
         records_config=RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=False)),
-        rollout_sampling={"temperature": 1.0, "max_tokens": 24},
+        sampling=SplitSampling({"train": {"temperature": 1.0, "max_tokens": 24}}),
         admin_key=secrets.token_urlsafe(16),
     )
     await daemon.start()

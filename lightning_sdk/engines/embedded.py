@@ -175,7 +175,9 @@ class EmbeddedEngine:
         prefix_cache: bool = True,
         prefix_cache_tokens: int = 32768,
         continuous: bool = True,
+        threads: int | None = None,
     ) -> None:
+        self._threads = threads
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(self._device)  # type: ignore[arg-type]
         model.eval()  # type: ignore[no-untyped-call]
@@ -197,9 +199,6 @@ class EmbeddedEngine:
         self.prefix_cache: PrefixCache | None = (
             PrefixCache(prefix_cache_tokens) if prefix_cache and full_attention else None
         )
-        # Set by the trainer: RL and evaluation fix the temperature (the learner must use the same one) and cap
-        # max_tokens, whatever the agent asks for.
-        self.sampling_override: dict[str, Any] | None = None
         self.stats: dict[str, Any] = {
             "batches": 0,  # prefills (a group of requests joining the batch)
             "tokens": 0,
@@ -297,7 +296,6 @@ class EmbeddedEngine:
             raise EngineError("the engine is closed")
         if not input_ids:
             raise EngineError("empty prompt")
-        sampling = sampling.overridden(self.sampling_override)
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(
@@ -322,6 +320,9 @@ class EmbeddedEngine:
                 return
 
     def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)  # this thread's intra-op threads (torch keeps them per thread)
+        self.stats["threads"] = torch.get_num_threads()
         batch = _Batch(self._device)
         while True:
             with self._cond:

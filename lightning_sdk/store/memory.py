@@ -15,6 +15,7 @@ import orjson
 from lightning_sdk.errors import ConfigError, NotFoundError
 from lightning_sdk.store import _lifecycle as lc
 from lightning_sdk.store._clock import Clock, system_clock
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
@@ -42,6 +43,7 @@ class MemoryStore:
         self.clock = clock  # what "now" is for leases (tests drive a ManualClock)
         self._lock = threading.Lock()
         self._groups: dict[str, Group] = {}  # insertion order = creation order
+        self._group_order: list[str] = []  # group ids in creation order (positions are list cursors)
         self._group_rollouts: dict[str, list[str]] = {}
         self._rollouts: dict[str, Rollout] = {}
         self._rollout_seq: dict[str, int] = {}
@@ -56,6 +58,7 @@ class MemoryStore:
         self._resources: dict[str, Resource] = {}
         self._meta: dict[str, bytes] = {}
         self._closed = False
+        self.attempt_ends = AttemptEnds()  # bumped when attempts end: the trainer waits on it (store/_events.py)
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _rollout(self, rollout_id: str) -> Rollout:
@@ -130,6 +133,7 @@ class MemoryStore:
                     continue
                 group = lc.new_group(_copy_json(task), n, split, gid, ts)
                 self._groups[group.group_id] = group
+                self._group_order.append(group.group_id)
                 for rollout in lc.new_rollouts(group, n, max_attempts, ts):
                     self._add_rollout(rollout)
                 out.append(group.model_copy(deep=True))
@@ -143,6 +147,7 @@ class MemoryStore:
             group = self._groups.get(group_id) if group_id is not None else None
             if group is None:
                 group = lc.new_group(_copy_json(task or {}), 1, split, group_id, ts)
+                self._group_order.append(group.group_id)
             else:
                 group = lc.join_group(group)
             rollout, attempt = lc.open_session_objects(group, ts)
@@ -174,19 +179,24 @@ class MemoryStore:
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
         with self._lock:
-            return self._end(attempt_id, AttemptStatus(status), error, self.clock()).model_copy()
+            attempt = self._end(attempt_id, AttemptStatus(status), error, self.clock()).model_copy()
+        self.attempt_ends.bump()
+        return attempt
 
     async def expire_leases(self) -> list[Attempt]:
         ts = self.clock()
         with self._lock:
             expired = [a.attempt_id for a in self._attempts.values() if lc.lease_expired(a, ts)]
-            return [self._end(a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts).model_copy() for a in expired]
+            ended = [self._end(a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts).model_copy() for a in expired]
+        self.attempt_ends.bump(len(ended))
+        return ended
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
             rollout = lc.cancel(self._rollout(rollout_id), self.clock())
             self._rollouts[rollout_id] = rollout
-            return rollout.model_copy(deep=True)
+        self.attempt_ends.bump()
+        return rollout.model_copy(deep=True)
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
         with self._lock:
@@ -247,6 +257,25 @@ class MemoryStore:
         page, nxt = await self.list_rollouts(limit=limit, after=after)
         with self._lock:
             return [self._detail(r.rollout_id) for r in page], nxt
+
+    async def list_group_details(
+        self, *, split: str | None = None, limit: int = 64, after: str | None = None
+    ) -> tuple[list[FinishedGroup], str | None]:
+        lc.check_limit(limit, "list_group_details")
+        page: list[FinishedGroup] = []
+        last, more = 0, False
+        with self._lock:
+            for pos in range(lc.decode_cursor(after), len(self._group_order)):
+                group = self._groups[self._group_order[pos]]
+                if split is not None and group.split != split:
+                    continue
+                if len(page) == limit:
+                    more = True
+                    break
+                rollouts = [self._detail(r) for r in self._group_rollouts.get(group.group_id, [])]
+                page.append(FinishedGroup(group.model_copy(deep=True), rollouts))
+                last = pos + 1
+        return page, (lc.encode_cursor(last) if more else None)
 
     async def counts(self) -> dict[str, int]:
         with self._lock:
