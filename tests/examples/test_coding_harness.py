@@ -38,16 +38,18 @@ def _agent(tmp_path: Path, timeout: float = 60, max_attempts: int = 1) -> la.Com
     )
 
 
-def _sandboxed_processes() -> set[int]:
-    """Live processes carrying a sandbox's environment marker (every process a sandbox starts has it)."""
+def _sandboxed_processes(root: Path) -> set[int]:
+    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
+    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if b"LIGHTNING_SANDBOX_ID=" in Path(f"/proc/{entry}/environ").read_bytes():
-                    found.add(int(entry))
+                env = Path(f"/proc/{entry}/environ").read_bytes()
             except OSError:
                 continue
+            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
+                found.add(int(entry))
     return found
 
 
@@ -159,7 +161,6 @@ async def test_a_hanging_harness_is_killed_at_the_agent_timeout(tmp_path: Path) 
     agent kills the harness's process group at its 2 s timeout; no process of the sandbox and no sandbox is left."""
     pairs = T.make_tasks_with_fixes("heldout", 1, seed=24)
     agent = _agent(tmp_path, timeout=2)
-    before = _sandboxed_processes()
     async with proxy_stack(tmp_path, MockOpenAI(delay_s=60)) as st:
         t0 = time.monotonic()
         summary = await la.run_tasks(agent, st.store, st.url, [pairs[0][0]], n_workers=1)
@@ -170,7 +171,7 @@ async def test_a_hanging_harness_is_killed_at_the_agent_timeout(tmp_path: Path) 
             (AttemptStatus.FAILED, True)
         ]
         assert took < 30  # killed at the timeout, not at the mock's 60 s
-        assert _sandboxed_processes() - before == set()
+        assert _sandboxed_processes(tmp_path / "boxes") == set()
     assert not any((tmp_path / "boxes").iterdir())
 
 

@@ -29,16 +29,18 @@ SMALL = [
 ]  # fmt: skip
 
 
-def _sandboxed_processes() -> set[int]:
-    """Live processes carrying a sandbox's environment marker (every process a sandbox starts has it)."""
+def _sandboxed_processes(root: Path) -> set[int]:
+    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
+    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if b"LIGHTNING_SANDBOX_ID=" in Path(f"/proc/{entry}/environ").read_bytes():
-                    found.add(int(entry))
+                env = Path(f"/proc/{entry}/environ").read_bytes()
             except OSError:
                 continue
+            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
+                found.add(int(entry))
     return found
 
 
@@ -63,14 +65,13 @@ def test_sigkill_of_the_whole_run_then_restart_leaves_no_sandbox_and_no_process(
     scratch.mkdir()
     boxes = scratch / "lightning-sandboxes"  # the sandboxes live under $TMPDIR/lightning-sandboxes
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    before = _sandboxed_processes()
 
     def dirs() -> list[Path]:
         return [d for d in boxes.iterdir() if d.is_dir()] if boxes.exists() else []
 
     first = _train(out, env, log)
     try:
-        _wait("sandboxed harness", lambda: len(dirs()) >= 2 and bool(_sandboxed_processes() - before), first)
+        _wait("sandboxed harness", lambda: len(dirs()) >= 2 and bool(_sandboxed_processes(boxes)), first)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
     finally:
@@ -94,6 +95,6 @@ def test_sigkill_of_the_whole_run_then_restart_leaves_no_sandbox_and_no_process(
     assert second.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     assert dirs() == []
     deadline = time.monotonic() + 10  # a harness of the killed run reaped with SIGKILL is gone once its parent waits
-    while _sandboxed_processes() - before and time.monotonic() < deadline:
+    while _sandboxed_processes(boxes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandboxed_processes() - before == set()
+    assert _sandboxed_processes(boxes) == set()
