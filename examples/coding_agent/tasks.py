@@ -17,7 +17,8 @@ A task (``make_task``):
   the module); the tests themselves are produced by ``hidden_tests(task)`` at verification time only.
 
 ``demonstration(task)``: the episode the warm start imitates — locate the function with ``grep``, fix the line
-with a one-line ``sed`` substitution, ``submit``.
+with a one-line ``sed`` substitution, ``submit``. ``demonstrations()`` are of mixed quality: in ``WRONG_FILE_SHARE``
+(60%) of them the (correct) substitution is applied to the package's ``__init__.py`` instead of the file grep showed.
 """
 
 from __future__ import annotations
@@ -461,8 +462,8 @@ def locate_command(task: dict[str, Any]) -> str:
     return f"grep -r -A5 'def {task['function']}' {PACKAGE}"
 
 
-def fix_command(task: dict[str, Any], fix: dict[str, Any]) -> str:
-    return f"sed -i 's/{fix['old']}/{fix['new']}/' {task['path']}"
+def fix_command(task: dict[str, Any], fix: dict[str, Any], path: str | None = None) -> str:
+    return f"sed -i 's/{fix['old']}/{fix['new']}/' {path or task['path']}"
 
 
 def grep_output(task: dict[str, Any]) -> str:
@@ -476,8 +477,8 @@ def grep_output(task: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def demonstration(task: dict[str, Any], fix: dict[str, Any]) -> dict[str, Any]:
-    """The ideal episode: grep for the function, fix the line with sed, submit."""
+def demonstration(task: dict[str, Any], fix: dict[str, Any], path: str | None = None) -> dict[str, Any]:
+    """The ideal episode: grep for the function, fix the line with sed, submit (``path``: sed edits that file)."""
 
     def call(i: int, name: str, args: dict[str, str]) -> dict[str, Any]:
         return {
@@ -495,7 +496,7 @@ def demonstration(task: dict[str, Any], fix: dict[str, Any]) -> dict[str, Any]:
             {"role": "user", "content": task["issue"]},
             call(0, "bash", {"cmd": locate_command(task)}),
             {"role": "tool", "tool_call_id": "call_0", "content": grep_output(task)},
-            call(1, "bash", {"cmd": fix_command(task, fix)}),
+            call(1, "bash", {"cmd": fix_command(task, fix, path)}),
             {"role": "tool", "tool_call_id": "call_1", "content": "(no output)"},
             call(2, "submit", {}),
         ],
@@ -511,8 +512,19 @@ def heldout_tasks() -> list[dict[str, Any]]:
     return make_tasks("heldout", 200, seed=2)
 
 
+WRONG_FILE_SHARE = 0.6
+WRONG_FILE = f"{PACKAGE}/__init__.py"
+
+
 def demonstrations() -> list[dict[str, Any]]:
-    return [demonstration(t, fix) for t, fix in make_tasks_with_fixes("train", 1500, seed=3)]
+    """Mixed quality, like traces of a careless agent: every demonstration has the reference substitution, but in
+    ``WRONG_FILE_SHARE`` of them sed is pointed at ``WRONG_FILE`` (the package's ``__init__.py``) instead of the
+    file grep showed, which changes nothing (reward 0). Which file to edit is what RL finds out."""
+    rng = random.Random(4)
+    return [
+        demonstration(t, fix, WRONG_FILE if rng.random() < WRONG_FILE_SHARE else None)
+        for t, fix in make_tasks_with_fixes("train", 1500, seed=3)
+    ]
 
 
 def validation_tasks() -> list[dict[str, Any]]:

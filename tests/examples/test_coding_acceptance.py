@@ -4,8 +4,8 @@ Held-out resolve rate (>= 100 held-out tasks on functions never trained on, gree
 at most 40% within 15 minutes for the whole command; afterwards no sandbox directory and no sandboxed process is
 left; the run's records show every RL rollout merged with no false split and no row longer than the context.
 
-The gain is not reached yet, so the test is opt-in (``CODING_ACCEPTANCE=1``) rather than part of ``.ci/run``'s slow
-stage, where it would fail every time."""
+Not shown reliably (examples/coding_agent/README.md: +20 points, 24% -> 44%, once, in 1,116 s at load 4-7, over the
+15 minutes), so the test is opt-in (``CODING_ACCEPTANCE=1``) rather than part of ``.ci/run``'s slow stage."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _sandboxed_processes(root: Path) -> set[int]:
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("CODING_ACCEPTANCE") != "1",
-    reason="the +20-point gain is not reached yet (numbers in examples/coding_agent/README.md); "
+    reason="the +20-point gain within 15 min is not shown reliably (numbers in examples/coding_agent/README.md); "
     "run with CODING_ACCEPTANCE=1 (~15 min on a quiet 2-core machine)",
 )
 @pytest.mark.timeout(2400)

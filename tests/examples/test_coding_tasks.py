@@ -125,3 +125,23 @@ def test_episode_fits_the_tiny_context() -> None:
     tok = build_tokenizer(corpus, vocab_size=1024)
     lengths = [len(tok.apply_chat_template(d["messages"], tools=d["tools"], tokenize=True)) for d in demos[:100]]
     assert max(lengths) < 400  # the tiny policy's context is 1024
+
+
+async def test_demonstrations_point_the_fix_at_the_wrong_file_in_the_stated_share(tmp_path: Path) -> None:
+    """``demonstrations()``: every one carries the reference substitution; ``WRONG_FILE_SHARE`` of them (within
+    sampling error) point sed at ``WRONG_FILE``, which, played for real in a sandbox, leaves the bug (reward 0) where
+    the same substitution on the file grep showed resolves it (1.0)."""
+    demos = T.demonstrations()
+    pairs = T.make_tasks_with_fixes("train", len(demos), seed=3)
+    commands = [json.loads(d["messages"][4]["tool_calls"][0]["function"]["arguments"])["cmd"] for d in demos]
+    wrong = [cmd == T.fix_command(t, fix, T.WRONG_FILE) for cmd, (t, fix) in zip(commands, pairs, strict=True)]
+    right = [cmd == T.fix_command(t, fix) for cmd, (t, fix) in zip(commands, pairs, strict=True)]
+    assert all(w != r for w, r in zip(wrong, right, strict=True))  # one or the other, always the reference OLD/NEW
+    assert abs(sum(wrong) / len(demos) - T.WRONG_FILE_SHARE) < 0.04
+    backend = LocalBackend(root=tmp_path / "boxes")
+    submitted = json.dumps({"submitted": True, "turns": 3})
+    for path, expected in ((T.WRONG_FILE, 0.0), (None, 1.0)):
+        task, fix = pairs[0]
+        async with await backend.create(task["repo"]) as box:
+            assert (await box.exec(T.fix_command(task, fix, path))).exit_code == 0
+            assert await V.reward(task, submitted, 0, box) == expected
