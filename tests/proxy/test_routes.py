@@ -188,15 +188,12 @@ def test_incomplete_requests_are_closed_by_the_serving_protocol(upstream: Runnin
     """The proxy's uvicorn protocol (``serve.header_timeout_protocol``) answers 408 and closes a connection whose
     request (headers or body) stays incomplete and silent (a silent new connection too); complete requests and idle
     keep-alive connections are unaffected."""
-    from lightning_sdk.proxy import create_app
-    from lightning_sdk.proxy.passthrough import PassthroughBackend
     from lightning_sdk.proxy.serve import header_timeout_protocol
     from lightning_sdk.store import SQLiteStore
+    from tests.support.proxy import proxy_app
     from tests.support.servers import run_server
 
-    app = create_app(
-        SQLiteStore(tmp_path / "h.db"), policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key="k"
-    )
+    app = proxy_app(SQLiteStore(tmp_path / "h.db"), upstream.url + "/v1")
     with run_server(app, http=header_timeout_protocol(0.5)) as srv:
         partial_body = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"
         for sent in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le", b"", partial_body):
