@@ -39,6 +39,7 @@ import openai
 import lightning_sdk as ls
 from lightning_sdk.agent import WorkerPool
 from lightning_sdk.cli import passive_openmp
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
 
@@ -89,7 +90,7 @@ async def run_mode(
         samples_per_task=samples,
         max_staleness=staleness,
         records_config=RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=False)),
-        rollout_sampling={"temperature": 1.0, "max_tokens": 24},
+        sampling=SplitSampling({"train": {"temperature": 1.0, "max_tokens": 24}}),
         admin_key=secrets.token_urlsafe(16),
     )
     await daemon.start()

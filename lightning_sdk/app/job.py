@@ -32,6 +32,7 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
@@ -43,7 +44,15 @@ from lightning_sdk.trainer.phases import never, warm_start_phase
 from lightning_sdk.trainer.sampling import TaskSampler
 from lightning_sdk.trainer.view import MetricsLog, ProgressView
 
-__all__ = ["Job", "build_daemon", "open_job", "prepare_policy", "prepare_run_dir", "validation_tasks"]
+__all__ = [
+    "Job",
+    "build_daemon",
+    "open_job",
+    "prepare_policy",
+    "prepare_run_dir",
+    "split_sampling",
+    "validation_tasks",
+]
 
 
 def prepare_run_dir(path: str | Path) -> Path:
@@ -133,7 +142,7 @@ def build_daemon(
         max_staleness=rl.max_staleness,
         records_config=records,
         max_attempts=max_attempts,
-        rollout_sampling={"temperature": rl.temperature, "top_p": 1.0, "max_tokens": rl.max_tokens},
+        sampling=split_sampling(config),
         admin_key=secrets.token_urlsafe(24),
         host=config.host,
         port=config.port,
@@ -143,6 +152,21 @@ def build_daemon(
     if sampler is not None:
         sampler.start_at(daemon.next_task)
     return daemon, parts
+
+
+def split_sampling(config: TrainConfig) -> SplitSampling:
+    """The proxy's per-split sampling: train rollouts at ``[rl]`` settings (the learner's temperature), the held-out
+    evaluations (``eval-before``, ``eval-check-N``, ``eval-after``) and the warm start's (``warmup-N``) at ``[eval]``
+    settings; other splits are sampled as their requests ask."""
+    rl, ev = config.rl, config.eval
+    evaluation = {"temperature": ev.temperature, "max_tokens": ev.max_tokens}
+    return SplitSampling(
+        {
+            "train": {"temperature": rl.temperature, "top_p": 1.0, "max_tokens": rl.max_tokens},
+            "eval*": evaluation,
+            "warmup-*": evaluation,
+        }
+    )
 
 
 def validation_tasks(config: TrainConfig, train_tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sdk.agent import WorkerPool, load_agent
-from lightning_sdk.app.job import open_job
+from lightning_sdk.app.job import open_job, split_sampling
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
 from lightning_sdk.trainer.data import load_rows
@@ -53,7 +53,6 @@ async def run_training(
     async with open_job(config, run_dir, view=view, max_attempts=agent.max_attempts) as job:
         daemon, parts, metrics, view, out = job.daemon, job.parts, job.metrics, job.view, job.out
         note, t_start, timeline = view.note, job.t_start, job.timeline
-        eval_sampling = {"temperature": config.eval.temperature, "max_tokens": config.eval.max_tokens}
         state_path = out / "state.json"
         state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
         warm = await job.warm_start(agent, stop)
@@ -63,7 +62,7 @@ async def run_training(
 
         async def held_out(split: str, label: str) -> dict[str, Any]:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks ({label})")
-            result = await evaluate(daemon, agent, heldout, split, eval_sampling, config.eval.workers, stop)
+            result = await evaluate(daemon, agent, heldout, split, config.eval.workers, stop)
             return result
 
         if heldout and "eval_before" not in state:
@@ -150,14 +149,15 @@ async def run_training(
     after = state.get("eval_after", {}).get("success_rate")
     all_rows = _read_metrics(out / "metrics.jsonl")
     curve = plot_reward_curve(all_rows, out / "reward_curve.png", before=before, after=after)
+    rules = split_sampling(config)
     summary: dict[str, Any] = {
         "eval_before": state.get("eval_before") or dict(NO_EVAL),
         "eval_after": state.get("eval_after") or dict(NO_EVAL),
         "steps": daemon.step,
         "wall_s": round(time.perf_counter() - t_start, 2),
         "model_dir": str(model_out.resolve()),
-        "eval_sampling": eval_sampling,
-        "train_sampling": daemon.rollout_sampling,
+        "eval_sampling": rules.override_for("eval-after"),
+        "train_sampling": rules.override_for("train"),
         "warm_start": state.get("warm_start"),
         "rl": state.get("rl"),
         "dropped_stale_groups": daemon.dropped_total,

@@ -31,8 +31,8 @@ class Sampling(BaseModel):
     response_format: dict[str, Any] | None = None
 
     def overridden(self, override: dict[str, Any] | None) -> Sampling:
-        """The trainer's sampling override applied: its values replace the request's, except ``max_tokens``, which
-        caps it (one rule for every engine)."""
+        """A per-split sampling rule applied (``proxy/sampling.py``): its values replace the request's, except
+        ``max_tokens``, which caps it (one rule for every engine)."""
         if not override:
             return self
         update = dict(override)

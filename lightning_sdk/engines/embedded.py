@@ -197,9 +197,6 @@ class EmbeddedEngine:
         self.prefix_cache: PrefixCache | None = (
             PrefixCache(prefix_cache_tokens) if prefix_cache and full_attention else None
         )
-        # Set by the trainer: RL and evaluation fix the temperature (the learner must use the same one) and cap
-        # max_tokens, whatever the agent asks for.
-        self.sampling_override: dict[str, Any] | None = None
         self.stats: dict[str, Any] = {
             "batches": 0,  # prefills (a group of requests joining the batch)
             "tokens": 0,
@@ -297,7 +294,6 @@ class EmbeddedEngine:
             raise EngineError("the engine is closed")
         if not input_ids:
             raise EngineError("empty prompt")
-        sampling = sampling.overridden(self.sampling_override)
         gen = torch.Generator()
         gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(

@@ -203,6 +203,7 @@ class Proxy:
                 seq=seq,
                 model=body["model"],
                 policy_version=await self.policy_version(),
+                split=state.split,
                 _earlier=_earlier(state, self.store, seq),
             )
             state.call_ids.add(ctx.call_id)

@@ -46,6 +46,7 @@ class AttemptState:
         "n_calls",
         "n_errors",
         "next_seq",
+        "split",
         "tasks",
     )
 
@@ -56,6 +57,7 @@ class AttemptState:
         self.calls: list[Call] = []  # finished calls of this attempt, in seq order
         self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
         self.loaded = False
+        self.split: str | None = None  # the rollout's split, known once loaded (take_seq loads)
         self._inflight = 0  # requests (calls, rewards) being served right now (finish waits for them)
         self.closing: str | None = None  # why no new request is accepted (finishing / ended), sticky
         self.tasks: set[asyncio.Task[object]] = set()  # the tasks serving LLM calls now (finish may abort them)
@@ -121,6 +123,7 @@ class AttemptState:
             if self.loaded:
                 return
             detail = await store.get_rollout(self.attempt.rollout_id)
+            self.split = detail.rollout.split
             stored = [c for a in detail.attempts if a.attempt.attempt_id == self.attempt.attempt_id for c in a.calls]
             if stored:
                 ids = {c.call_id for c in stored}

@@ -73,7 +73,8 @@ class CallContext:
     ``attempt`` is the running attempt that owns the bearer token; ``call_id``/``seq`` the id and order the call
     will be recorded under; ``model`` the model name the agent asked for; ``policy_version`` the latest published
     policy version when the call started (a backend that knows better, e.g. an engine that reports the version
-    of the weights that served it, sets ``ChatResult.policy_version`` instead).
+    of the weights that served it, sets ``ChatResult.policy_version`` instead); ``split`` the split of the
+    attempt's rollout (token mode samples by it: ``proxy/sampling.py``).
     """
 
     attempt: Attempt
@@ -81,6 +82,7 @@ class CallContext:
     seq: int
     model: str
     policy_version: int | None = None
+    split: str | None = None  # the attempt's rollout split (None: not known yet); chooses per-split sampling
     _earlier: Callable[[], Awaitable[list[Call]]] | None = None
 
     async def earlier_calls(self) -> list[Call]:

@@ -30,6 +30,7 @@ from lightning_sdk.engines.base import Engine, Generation, Sampling
 from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
 from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.tokens import (
     ChatRenderer,
     HistoryPolicy,
@@ -65,6 +66,8 @@ class TokenModeConfig:
     model_name: str = "policy"  # what GET /v1/models lists
     default_max_tokens: int = 1024  # when the request gives neither max_tokens nor max_completion_tokens
     max_model_len: int | None = None  # the policy's context (None: the engine's ``max_model_len``)
+    # per-split sampling the proxy imposes (the trainer: train at [rl] settings, evaluations at [eval] settings)
+    sampling: SplitSampling | None = None
 
 
 # -- what token mode does with each OpenAI parameter (docs/proxy.md lists them all) ---------------------------------
@@ -256,7 +259,8 @@ class TokenModeBackend:
         """Tool calls are parsed only when tools are offered and tool_choice is not "none"."""
         return self.parser if tool_choice_of(body) not in (None, "none") else self.content_parser
 
-    def _sampling(self, body: dict[str, Any], n_prompt: int) -> Sampling:
+    def _sampling(self, body: dict[str, Any], n_prompt: int, ctx: CallContext) -> Sampling:
+        """The request's sampling, with the rule of the call's split applied (``TokenModeConfig.sampling``)."""
         stop = body.get("stop")
         requested = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
         fields: dict[str, Any] = {
@@ -271,11 +275,13 @@ class TokenModeBackend:
         if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
             fields["response_format"] = fmt  # only reaches engines that support it (check_token_mode_request)
         try:
-            return Sampling(**fields)
+            sampling = Sampling(**fields)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = str(err["loc"][0]) if err.get("loc") else None
             raise ProxyHTTPError(400, f"invalid sampling parameter: {err['msg']}", param=param) from exc
+        rules = self.config.sampling
+        return rules.apply(sampling, ctx.split) if rules is not None else sampling
 
     async def _generate(self, ids: list[int], sampling: Sampling, ctx: CallContext) -> Generation:
         try:
@@ -356,7 +362,7 @@ class TokenModeBackend:
     # -- the PolicyBackend interface ----------------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
         prompt, forced = await self._render(body, ctx)
-        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids)), ctx)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids), ctx), ctx)
         n_base = len(prompt.prompt_ids) - len(forced)
         parsed = self._parser_for(body).parse([*forced, *gen.completion_ids], prompt_ids=prompt.prompt_ids[:n_base])
         message = self._with_ids(parsed.to_message())
@@ -367,7 +373,7 @@ class TokenModeBackend:
 
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
         prompt, forced = await self._render(body, ctx)
-        sampling = self._sampling(body, len(prompt.prompt_ids))
+        sampling = self._sampling(body, len(prompt.prompt_ids), ctx)
         rid, created, model = _chat_id(), int(time.time()), body["model"]
         want_lps = bool(body.get("logprobs"))
         parser = self._parser_for(body)
@@ -472,7 +478,7 @@ class TokenModeBackend:
     async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
         self._check(body)
         prompt = self._completion_prompt(body)
-        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids)), ctx)
+        gen = await self._generate(prompt.prompt_ids, self._sampling(body, len(prompt.prompt_ids), ctx), ctx)
         ids, lps = list(gen.completion_ids), list(gen.logprobs)
         finish = _openai_finish(gen.finish_reason, False)
         text = self._completion_text(ids)
@@ -482,7 +488,7 @@ class TokenModeBackend:
     async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
         self._check(body)
         prompt = self._completion_prompt(body)
-        sampling = self._sampling(body, len(prompt.prompt_ids))
+        sampling = self._sampling(body, len(prompt.prompt_ids), ctx)
         rid, created, model = _completion_id(), int(time.time()), body["model"]
         ids: list[int] = []
         lps: list[float] = []

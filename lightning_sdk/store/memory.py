@@ -15,6 +15,7 @@ import orjson
 from lightning_sdk.errors import ConfigError, NotFoundError
 from lightning_sdk.store import _lifecycle as lc
 from lightning_sdk.store._clock import Clock, system_clock
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.types import (
     Attempt,
     AttemptDetail,
@@ -56,6 +57,7 @@ class MemoryStore:
         self._resources: dict[str, Resource] = {}
         self._meta: dict[str, bytes] = {}
         self._closed = False
+        self.attempt_ends = AttemptEnds()  # bumped when attempts end: the trainer waits on it (store/_events.py)
 
     # -- helpers -------------------------------------------------------------------------------------------------
     def _rollout(self, rollout_id: str) -> Rollout:
@@ -174,19 +176,24 @@ class MemoryStore:
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
         with self._lock:
-            return self._end(attempt_id, AttemptStatus(status), error, self.clock()).model_copy()
+            attempt = self._end(attempt_id, AttemptStatus(status), error, self.clock()).model_copy()
+        self.attempt_ends.bump()
+        return attempt
 
     async def expire_leases(self) -> list[Attempt]:
         ts = self.clock()
         with self._lock:
             expired = [a.attempt_id for a in self._attempts.values() if lc.lease_expired(a, ts)]
-            return [self._end(a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts).model_copy() for a in expired]
+            ended = [self._end(a, AttemptStatus.TIMED_OUT, lc.LEASE_EXPIRED, ts).model_copy() for a in expired]
+        self.attempt_ends.bump(len(ended))
+        return ended
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         with self._lock:
             rollout = lc.cancel(self._rollout(rollout_id), self.clock())
             self._rollouts[rollout_id] = rollout
-            return rollout.model_copy(deep=True)
+        self.attempt_ends.bump()
+        return rollout.model_copy(deep=True)
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
         with self._lock:

@@ -36,6 +36,7 @@ from lightning_sdk.store import _lifecycle as lc
 from lightning_sdk.store import _sqlite_ops as ops
 from lightning_sdk.store import _sqlite_rows as rows
 from lightning_sdk.store._clock import Clock, system_clock
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
@@ -76,6 +77,7 @@ class SQLiteStore:
         self._closed = False
         self._running: dict[str, Attempt] = {}  # token -> running attempt (see module docstring)
         self._cache_lock = threading.Lock()
+        self.attempt_ends = AttemptEnds()  # bumped when attempts end: the trainer waits on it (store/_events.py)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lsdk-store-writer")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="lsdk-store-reader")
         try:
@@ -176,13 +178,19 @@ class SQLiteStore:
         return await self._write_attempts(ops.heartbeat, attempt_id, lease_s, self.clock())
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
-        return await self._write_attempts(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
+        attempt = await self._write_attempts(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
+        self.attempt_ends.bump()
+        return attempt
 
     async def expire_leases(self) -> list[Attempt]:
-        return await self._write_attempts(ops.expire, self.clock())
+        expired = await self._write_attempts(ops.expire, self.clock())
+        self.attempt_ends.bump(len(expired))
+        return expired
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
-        return await self._write(ops.cancel, rollout_id, self.clock())
+        rollout = await self._write(ops.cancel, rollout_id, self.clock())
+        self.attempt_ends.bump()
+        return rollout
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
         return await self._read(ops.get_attempt, attempt_id)

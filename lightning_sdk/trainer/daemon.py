@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.types import FinishedGroup, PolicyVersion, Resource
@@ -168,7 +170,7 @@ class TrainerDaemon:
         max_staleness: int = 1,
         records_config: RecordsConfig | None = None,
         max_attempts: int = 1,
-        rollout_sampling: dict[str, Any] | None = None,
+        sampling: SplitSampling | None = None,
         admin_key: str,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -189,7 +191,8 @@ class TrainerDaemon:
         self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
         self.max_staleness = max_staleness
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
-        self.rollout_sampling = rollout_sampling
+        # per-split sampling the proxy imposes on every policy call (train at [rl] settings, evaluations at [eval])
+        self.sampling = sampling
         self.admin_key = admin_key
         self.host = host
         self._sock = sock
@@ -225,7 +228,9 @@ class TrainerDaemon:
             self.port = int(self._sock.getsockname()[1])
         await self._resume()
         renderer = ChatRenderer(self.engine.tokenizer)
-        backend = TokenModeBackend(self.engine, renderer, config=TokenModeConfig(model_name=self.model_name))
+        backend = TokenModeBackend(
+            self.engine, renderer, config=TokenModeConfig(model_name=self.model_name, sampling=self.sampling)
+        )
         app = create_app(self.store, policy_backend=backend, admin_key=self.admin_key)
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._server_task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
@@ -291,26 +296,57 @@ class TrainerDaemon:
 
     # -- one step ------------------------------------------------------------------------------------------------
     async def _take_groups(self, stop: Callable[[], bool]) -> tuple[list[FinishedGroup], list[FinishedGroup], float]:
-        """Wait for ``tasks_per_step`` fresh finished groups; returns (fresh, stale, seconds waited)."""
+        """Wait for ``tasks_per_step`` fresh finished groups; returns (fresh, stale, seconds waited).
+
+        Reading the finished groups loads each with its calls (read every 50 ms, that was 25% of an RL step's
+        profile), so it is done only when it can have changed: an in-process store signals every ended attempt
+        (``store.attempt_ends``), and the groups are read again after a signal, at most once per ``_spacing``.
+        Without a signal the loop wakes every ``IDLE_S`` only to check ``stop()`` and expire leases. A remote
+        store (``HTTPStore``: the attempts end in another process) gives no signal: it is read every ``_spacing``.
+        """
         t0 = time.perf_counter()
+        ends = getattr(self.store, "attempt_ends", None)
+        ends = ends if isinstance(ends, AttemptEnds) else None
+        fresh: list[FinishedGroup] = []
+        stale: list[FinishedGroup] = []
+        seen: int | None = None  # the signal's count when the groups were last read (None: never read)
+        last_read = 0.0
         while True:
             await self.feed()
-            finished = await self.store.finished_groups(limit=4 * self.tasks_per_step + 64, split="train")
-            fresh: list[FinishedGroup] = []
-            stale: list[FinishedGroup] = []
-            for g in finished:
-                v = group_version(g)
-                if v is not None and self.version - v > self.max_staleness:
-                    stale.append(g)
-                elif len(fresh) < self.tasks_per_step:
-                    fresh.append(g)
-            if len(fresh) >= self.tasks_per_step or stop():
+            if ends is None or seen != ends.count:
+                seen = ends.count if ends is not None else 0  # before the read: an end during it reads again
+                last_read = time.perf_counter()
+                fresh, stale = self._split_fresh(
+                    await self.store.finished_groups(limit=4 * self.tasks_per_step + 64, split="train")
+                )
+                if len(fresh) >= self.tasks_per_step:
+                    return fresh, stale, time.perf_counter() - t0
+            if stop():
                 return fresh, stale, time.perf_counter() - t0
             await self.store.expire_leases()
-            # Each poll loads every finished group with its calls (the profile of an RL step had 25% of the
-            # process's samples in these polls at a fixed 50 ms): poll slowly while many groups are missing.
-            missing = self.tasks_per_step - len(fresh)
-            await asyncio.sleep(0.05 if missing <= 2 else min(0.4, 0.05 * missing))
+            spacing = self._spacing(self.tasks_per_step - len(fresh))
+            await asyncio.sleep(max(0.0, last_read + spacing - time.perf_counter()))
+            if ends is not None:
+                await ends.wait(seen, self.IDLE_S)
+
+    IDLE_S = 0.4  # how often the wait for groups checks stop() and leases when no attempt ends
+
+    @staticmethod
+    def _spacing(missing: int) -> float:
+        """The least time between two reads of the finished groups: longer while many groups are missing."""
+        return 0.05 if missing <= 2 else min(0.4, 0.05 * missing)
+
+    def _split_fresh(self, finished: list[FinishedGroup]) -> tuple[list[FinishedGroup], list[FinishedGroup]]:
+        """(the oldest ``tasks_per_step`` groups within ``max_staleness`` versions, every staler group)."""
+        fresh: list[FinishedGroup] = []
+        stale: list[FinishedGroup] = []
+        for g in finished:
+            v = group_version(g)
+            if v is not None and self.version - v > self.max_staleness:
+                stale.append(g)
+            elif len(fresh) < self.tasks_per_step:
+                fresh.append(g)
+        return fresh, stale
 
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
@@ -439,8 +475,6 @@ class TrainerDaemon:
         stop: Callable[[], bool] = lambda: False,
     ) -> list[StepReport]:
         """Train until ``steps`` steps are done (counting resumed ones), ``deadline`` (perf_counter) or ``stop()``."""
-        if self.rollout_sampling:
-            self.engine.sampling_override = dict(self.rollout_sampling)
 
         def done() -> bool:
             return stop() or (deadline is not None and time.perf_counter() >= deadline)

@@ -7,7 +7,8 @@ what the serving engine is handed after each update.
 
 The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights``
 and never asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the
-trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, a sampling override, token counts).
+trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, token counts). Sampling settings are
+not the engine's: the proxy applies them per request, by the attempt's split (``proxy/sampling.py``).
 """
 
 from __future__ import annotations
@@ -44,10 +45,8 @@ logger = logging.getLogger(__name__)
 
 
 class ServingEngine(Engine, Protocol):
-    """An ``Engine`` plus what the trainer uses: the tokenizer, a sampling override (RL and evaluation fix the
-    temperature and cap ``max_tokens``) and ``stats["tokens"]`` (tokens generated so far)."""
+    """An ``Engine`` plus what the trainer uses: the tokenizer and ``stats["tokens"]`` (tokens generated so far)."""
 
-    sampling_override: dict[str, Any] | None
     stats: dict[str, int]
 
     @property
@@ -75,7 +74,6 @@ class ServedEngine:
         self.inner = inner
         self._tokenizer = tokenizer
         self._servers = list(servers)
-        self.sampling_override: dict[str, Any] | None = None
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0}
         # turns a state dict (what the warm start hands over) into a checkpoint directory the servers can load
         self.write_state: Callable[[dict[str, torch.Tensor]], str] | None = None
@@ -88,12 +86,9 @@ class ServedEngine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
-    def _sampling(self, sampling: Sampling) -> Sampling:
-        return sampling.overridden(self.sampling_override)
-
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         self.stats["requests"] += 1
-        gen = await self.inner.generate(input_ids, self._sampling(sampling), session_id=session_id)
+        gen = await self.inner.generate(input_ids, sampling, session_id=session_id)
         self.stats["tokens"] += len(gen.completion_ids)
         return gen
 
@@ -106,7 +101,7 @@ class ServedEngine:
         self, input_ids: list[int], sampling: Sampling, session_id: str | None
     ) -> AsyncIterator[GenerationDelta]:
         self.stats["requests"] += 1
-        async for delta in self.inner.stream(input_ids, self._sampling(sampling), session_id=session_id):
+        async for delta in self.inner.stream(input_ids, sampling, session_id=session_id):
             self.stats["tokens"] += len(delta.ids)
             yield delta
 

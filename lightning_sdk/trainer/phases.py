@@ -43,14 +43,12 @@ async def evaluate(
     agent: Agent,
     tasks: list[dict[str, Any]],
     split: str,
-    sampling: dict[str, Any],
     workers: int,
     stop: Callable[[], bool] = never,
 ) -> dict[str, Any]:
-    """Run the agent on ``tasks`` through the proxy with ``sampling`` forced; the ``eval_*`` entry of the summary.
-    When ``stop()`` turns true the in-flight attempts are released and ``RunStopped`` is raised."""
-    previous = daemon.engine.sampling_override
-    daemon.engine.sampling_override = dict(sampling)
+    """Run the agent on ``tasks`` through the proxy as ``split`` (the proxy samples it by the split's rule: see
+    ``app.job.split_sampling``); the ``eval_*`` entry of the summary. When ``stop()`` turns true the in-flight
+    attempts are released and ``RunStopped`` is raised."""
     pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=workers, split=split, poll_s=0.05)
 
     async def watch() -> None:
@@ -65,7 +63,6 @@ async def evaluate(
     finally:
         watcher.cancel()
         await pool.close()
-        daemon.engine.sampling_override = previous
     if stop():
         raise RunStopped(daemon.step)
     out = summary.to_dict()
@@ -90,7 +87,6 @@ async def warm_start_phase(
     checkpointed: a re-run warm-starts again)."""
     loop = asyncio.get_running_loop()
     ws, ev = config.warm_start, config.eval
-    sampling = {"temperature": ev.temperature, "max_tokens": ev.max_tokens}
     rounds = 0
 
     def evaluate_model(model: torch.nn.Module) -> float:
@@ -100,7 +96,7 @@ async def warm_start_phase(
 
         async def go() -> float:
             await daemon.engine.update_weights(state, daemon.version)
-            res = await evaluate(daemon, agent, val, f"warmup-{rounds}", sampling, ev.workers, stop)
+            res = await evaluate(daemon, agent, val, f"warmup-{rounds}", ev.workers, stop)
             return float(res["success_rate"])
 
         success = asyncio.run_coroutine_threadsafe(go(), loop).result()

@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
 from lightning_sdk.tokens import ChatRenderer
 from tests.support.mock_openai import MockOpenAI, MockReply
@@ -217,6 +218,8 @@ def passthrough_rig(tmp_path: Path) -> Iterator[Rig]:
 @contextlib.contextmanager
 def token_rig(tmp_path: Path, engine: EmbeddedEngine) -> Iterator[Rig]:
     spy = SpyEngine(engine)
-    backend = TokenModeBackend(spy, ChatRenderer(engine.tokenizer), config=TokenModeConfig(default_max_tokens=24))
+    # random text: keep replies short whatever a framework asks (the proxy caps max_tokens for every split)
+    short = TokenModeConfig(default_max_tokens=24, sampling=SplitSampling({"*": {"max_tokens": 24}}))
+    backend = TokenModeBackend(spy, ChatRenderer(engine.tokenizer), config=short)
     with run_proxy(policy_backend=backend, store_path=tmp_path / "store.db") as px:
         yield Rig("token", px, spy)

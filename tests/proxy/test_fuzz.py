@@ -39,6 +39,7 @@ from starlette.routing import Mount, Route
 
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
+from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES
 from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
 from lightning_sdk.tokens import ChatRenderer
@@ -158,8 +159,8 @@ def targets(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Target]]:
         vocab_size=400, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=4096
     )
     engine = EmbeddedEngine.from_pretrained(build_policy(tmp / "policy", corpus(), config), max_batch_size=8)
-    engine.sampling_override = {"max_tokens": 8}  # random text: short replies
-    backend = TokenModeBackend(engine, ChatRenderer(engine.tokenizer), config=TokenModeConfig(default_max_tokens=8))
+    short = TokenModeConfig(default_max_tokens=8, sampling=SplitSampling({"*": {"max_tokens": 8}}))  # random text
+    backend = TokenModeBackend(engine, ChatRenderer(engine.tokenizer), config=short)
     upstream = StrictUpstream()
     with contextlib.ExitStack() as stack:
         up = stack.enter_context(run_server(upstream.app))

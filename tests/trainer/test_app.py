@@ -37,6 +37,22 @@ def test_one_sampling_override_rule_for_every_engine() -> None:
     assert asked.overridden({"max_tokens": 8}).max_tokens == 8
 
 
+def test_the_jobs_sampling_is_a_rule_per_split(tmp_path: Path) -> None:
+    """The trainer hands the proxy one rule per split (``app.job.split_sampling``): train rollouts at ``[rl]``
+    settings, every evaluation split (held-out before/checks/after, the warm start's) at ``[eval]`` settings, other
+    splits as asked; the trainer never sets anything on the engine."""
+    from lightning_sdk.app.job import split_sampling
+
+    (tmp_path / "train.toml").write_text(
+        'agent = "agent.py:agent"\n[rl]\ntemperature = 0.8\nmax_tokens = 40\n[eval]\nmax_tokens = 12\n'
+    )
+    rules = split_sampling(load_train_config(tmp_path))
+    assert rules.override_for("train") == {"temperature": 0.8, "top_p": 1.0, "max_tokens": 40}
+    for split in ("eval-before", "eval-check-2", "eval-after", "warmup-3"):
+        assert rules.override_for(split) == {"temperature": 0.0, "max_tokens": 12}, split
+    assert rules.override_for("traced") is None
+
+
 def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
     """The trainer's records config cuts segments at the engine's ``max_model_len`` (flagged ``truncated``), so a
     row longer than the context is never trained; an engine that does not tell its context leaves rows whole."""

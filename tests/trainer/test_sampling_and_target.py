@@ -57,6 +57,32 @@ def test_gain_target_triggers_a_check_and_raises_the_bar_after_a_miss() -> None:
     assert target.due() and target.reached(0.52) is True and target.checks == 2
 
 
+def test_after_a_miss_the_next_check_comes_where_held_out_progress_projects_the_target() -> None:
+    target = GainTarget(0.2, 0.3, window=64, min_steps=2)
+    for _ in range(9):
+        target.observe_step([0.0] * 64)
+    target.observe_step([1.0] * 64)  # step 10: the rolling trigger fires
+    assert target.due() and target.reached(0.40) is False  # +20 in 10 steps: 2 points a step, 5 more steps
+    for step in range(11, 15):
+        target.observe_step([0.0] * 64)  # the sampled success alone would not trigger again
+        assert not target.due(), step
+    target.observe_step([0.0] * 64)  # step 15
+    assert target.due() and target.reached(0.49) is False  # short again: +29 in 15 steps, 1 more step
+    target.observe_step([0.0] * 64)
+    assert not target.due()  # min_steps since the last check still hold
+    target.observe_step([0.0] * 64)
+    assert target.due() and target.reached(0.5) is True and target.checks == 3
+
+
+def test_no_projection_without_progress() -> None:
+    target = GainTarget(0.3, 0.3, window=64, min_steps=1)
+    target.observe_step([1.0] * 64)
+    assert target.due() and target.reached(0.25) is False  # worse than before RL: only the trigger can fire
+    for _ in range(30):
+        target.observe_step([0.0] * 64)
+        assert not target.due()
+
+
 def test_the_calc_example_config_turns_both_on() -> None:
     from lightning_sdk.trainer.config import load_train_config
     from tests.trainer.tiny import EXAMPLE

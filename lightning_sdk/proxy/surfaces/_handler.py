@@ -172,6 +172,7 @@ async def _serve(
             seq=seq,
             model=body["model"],
             policy_version=await proxy.policy_version(),
+            split=state.split,
             _earlier=_app._earlier(state, proxy.store, seq),
         )
         state.call_ids.add(ctx.call_id)
