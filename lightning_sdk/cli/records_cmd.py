@@ -7,19 +7,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import orjson
 import typer
 from rich.console import Console
 
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import ConfigError, LightningSDKError, RecordError
 from lightning_sdk.records.advantages import AdvantageConfig, estimator_names
-from lightning_sdk.records.build import BuildResult, RecordsConfig
-from lightning_sdk.records.export import export_records, report_json
+from lightning_sdk.records.build import RecordsConfig
+from lightning_sdk.records.export import ExportResult, export_stream
 from lightning_sdk.records.record import Record, visualize
 from lightning_sdk.records.report import render_report
 from lightning_sdk.records.segments import MergeOptions
-from lightning_sdk.store import load_groups, open_store
+from lightning_sdk.store import iter_group_pages, open_store
 from lightning_sdk.store.base import Store
 
 logger = logging.getLogger(__name__)
@@ -42,10 +41,27 @@ def _check_vocab(records: list[Record], tokenizer: Any) -> None:
             )
 
 
-async def _run(spec: str, admin_key: str | None, out: Path, config: RecordsConfig, split: str | None) -> BuildResult:
+async def _run(
+    spec: str,
+    admin_key: str | None,
+    out: Path,
+    config: RecordsConfig,
+    split: str | None,
+    report: Path | None,
+    show: int,
+    tokenizer: Any,
+) -> ExportResult:
+    """Stream the store's groups a page at a time into ``out`` (memory bounded by a page, not the store)."""
     store = _open_store(spec, admin_key)
     try:
-        return export_records(await load_groups(store, split=split), out, config)
+        return await export_stream(
+            lambda: iter_group_pages(store, split=split),
+            out,
+            config,
+            report=report,
+            keep_records=show,
+            check=None if tokenizer is None else (lambda records: _check_vocab(records, tokenizer)),
+        )
     finally:
         await store.close()
 
@@ -106,16 +122,12 @@ def records(
                 tok = AutoTokenizer.from_pretrained(str(tokenizer))
             except Exception as exc:  # transformers raises OSError/ValueError/...: translate at the boundary
                 raise ConfigError(f"cannot load the tokenizer in {tokenizer}: {exc}") from exc
-        result = asyncio.run(_run(store, admin_key, out, config, None if split == "all" else split))
-        if tok is not None:
-            _check_vocab(result.records, tok)
+        result = asyncio.run(_run(store, admin_key, out, config, None if split == "all" else split, report, show, tok))
     except LightningSDKError as exc:
         console.print(f"error: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    if report is not None:
-        report.write_bytes(orjson.dumps(report_json(result), option=orjson.OPT_INDENT_2))
     if not quiet:
         render_report(result, console)
     for rec in result.records[:show]:
         console.print(visualize(rec, tok, max_tokens=2000), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {len(result.records)} records to {out}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {result.rows} records to {out}", markup=False, highlight=False, soft_wrap=True)

@@ -175,7 +175,9 @@ class EmbeddedEngine:
         prefix_cache: bool = True,
         prefix_cache_tokens: int = 32768,
         continuous: bool = True,
+        threads: int | None = None,
     ) -> None:
+        self._threads = threads
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(self._device)  # type: ignore[arg-type]
         model.eval()  # type: ignore[no-untyped-call]
@@ -318,6 +320,9 @@ class EmbeddedEngine:
                 return
 
     def _run(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)  # this thread's intra-op threads (torch keeps them per thread)
+        self.stats["threads"] = torch.get_num_threads()
         batch = _Batch(self._device)
         while True:
             with self._cond:

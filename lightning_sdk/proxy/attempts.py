@@ -6,6 +6,11 @@ entry at once). Each entry also keeps the attempt's call order (``seq``) and the
 which the token-in/token-out backend reads to reuse the ids of earlier calls. The first call of an attempt loads
 the calls the store already has (a restarted proxy continues the numbering).
 
+Memory and cost with many running attempts: at most ``max_entries`` entries keep their calls (least recently used
+first, the calls of an idle entry are *shed*: read again from the store if a later call needs them, while its
+``seq`` counter, split and barrier state stay), and at most ``max_light`` entries are kept in all. So a request
+costs the same with 10 or 10,000 running attempts: its entry is found in a dict, never rebuilt from the store.
+
 The barrier of ``finish`` rests on three rules kept here:
 
 * a request is counted in flight (``enter``) in the same step as the check that its attempt is running, with no
@@ -46,6 +51,7 @@ class AttemptState:
         "n_calls",
         "n_errors",
         "next_seq",
+        "numbered",
         "split",
         "tasks",
     )
@@ -56,7 +62,8 @@ class AttemptState:
         self.next_seq = 0
         self.calls: list[Call] = []  # finished calls of this attempt, in seq order
         self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
-        self.loaded = False
+        self.loaded = False  # the store's calls of this attempt are in ``calls``
+        self.numbered = False  # ``next_seq`` and ``split`` know the store (kept when the calls are shed)
         self.split: str | None = None  # the rollout's split, known once loaded (take_seq loads)
         self._inflight = 0  # requests (calls, rewards) being served right now (finish waits for them)
         self.closing: str | None = None  # why no new request is accepted (finishing / ended), sticky
@@ -93,7 +100,7 @@ class AttemptState:
 
     async def take_seq(self, store: Store) -> int:
         """The ``seq`` of a new call (continuing what the store has, the first time)."""
-        if not self.loaded:
+        if not self.numbered:
             await self._load(store)
         seq = self.next_seq
         self.next_seq += 1
@@ -118,6 +125,12 @@ class AttemptState:
         else:  # calls of one attempt may finish out of order
             bisect.insort(self.calls, call, key=lambda c: c.seq)
 
+    def shed(self) -> None:
+        """Forget the calls kept here (memory): a later reader loads them from the store again. Only for an idle
+        entry whose records are all committed; ``seq``, the split and the barrier state stay."""
+        self.calls = []
+        self.loaded = False
+
     async def _load(self, store: Store) -> None:
         async with self._load_lock:
             if self.loaded:
@@ -129,14 +142,15 @@ class AttemptState:
                 ids = {c.call_id for c in stored}
                 self.calls = sorted(stored + [c for c in self.calls if c.call_id not in ids], key=lambda c: c.seq)
                 self.next_seq = max(self.next_seq, max(c.seq for c in stored) + 1)
-            self.loaded = True
+            self.loaded = self.numbered = True
 
 
 class AttemptCache:
     """Resolve attempt tokens (401 unknown, 409 not running) with a short-lived cache (see the module docstring).
 
-    ``busy(attempt_id)`` says whether records of that attempt are still waiting to be committed (the recorder's
-    count); such an entry is kept even when the cache is over ``max_entries``.
+    ``max_entries`` entries keep their calls and ``max_light`` entries are kept in all (least recently used go
+    first). ``busy(attempt_id)`` says whether records of that attempt are still waiting to be committed (the
+    recorder's count); such an entry, or one with requests in flight, is never shed nor dropped.
     """
 
     def __init__(
@@ -145,13 +159,16 @@ class AttemptCache:
         *,
         ttl_s: float = 2.0,
         max_entries: int = 4096,
+        max_light: int = 65536,
         busy: Callable[[str], bool] | None = None,
     ) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.max_light = max(max_light, max_entries)
         self._busy = busy or (lambda attempt_id: False)
-        self._by_token: OrderedDict[str, AttemptState] = OrderedDict()
+        self._by_token: OrderedDict[str, AttemptState] = OrderedDict()  # every entry, least recently used first
+        self._heavy: OrderedDict[str, None] = OrderedDict()  # the tokens whose entries may hold calls, LRU first
         self._by_attempt: dict[str, str] = {}  # attempt id -> token (for a store-side finish)
 
     def __len__(self) -> int:
@@ -178,11 +195,15 @@ class AttemptCache:
                 state = AttemptState(attempt, now)
                 self._by_token[token] = state
                 self._by_attempt[attempt.attempt_id] = token
-                self._evict()
             elif state.closing is None:  # a closed entry stays closed (the read may predate the finish)
                 state.attempt = attempt
                 state.checked_at = now
-            self._by_token.move_to_end(token)
+        self._by_token.move_to_end(token)
+        if token in self._heavy:
+            self._heavy.move_to_end(token)
+        else:  # new, or shed: this request may give it calls again
+            self._heavy[token] = None
+            self._evict()
         if state.closing is not None or state.attempt.status is not AttemptStatus.RUNNING:
             raise AttemptNotRunningError(
                 f"attempt {state.attempt.attempt_id} is {state.closing or state.attempt.status.value}, "
@@ -207,18 +228,35 @@ class AttemptCache:
 
     def _drop(self, token: str) -> None:
         state = self._by_token.pop(token, None)
+        self._heavy.pop(token, None)
         if state is not None and self._by_attempt.get(state.attempt.attempt_id) == token:
             del self._by_attempt[state.attempt.attempt_id]
 
+    def _idle(self, state: AttemptState) -> bool:
+        return state.inflight == 0 and not state.tasks and not self._busy(state.attempt.attempt_id)
+
     def _evict(self) -> None:
-        """Drop least recently used idle entries while over ``max_entries`` (busy ones are kept and moved on)."""
-        over = len(self._by_token) - self.max_entries
+        """Over ``max_entries`` entries with calls, shed the calls of the least recently used idle running entries
+        (an ended one is dropped); over ``max_light`` entries, drop the least recently used idle ones. Busy entries
+        (in flight, or records not yet committed) are moved on, never touched."""
         checked = 0
-        while over > 0 and checked < len(self._by_token):
+        while len(self._heavy) > self.max_entries and checked < len(self._heavy):
+            token = next(iter(self._heavy))
+            checked += 1
+            state = self._by_token.get(token)
+            if state is not None and not self._idle(state):
+                self._heavy.move_to_end(token)
+                continue
+            del self._heavy[token]
+            if state is not None and (state.closing is not None or state.attempt.status is not AttemptStatus.RUNNING):
+                self._drop(token)
+            elif state is not None:
+                state.shed()
+        checked = 0
+        while len(self._by_token) > self.max_light and checked < len(self._by_token):
             token, state = next(iter(self._by_token.items()))
             checked += 1
-            if state.inflight > 0 or state.tasks or self._busy(state.attempt.attempt_id):
-                self._by_token.move_to_end(token)  # in flight or not yet committed: never evicted
+            if not self._idle(state):
+                self._by_token.move_to_end(token)
                 continue
             self._drop(token)
-            over -= 1

@@ -4,6 +4,7 @@ The data path is pure functions over plain typed data::
 
     calls ──merge_attempt──▶ segments ──build_records (advantages)──▶ records ──build_batch──▶ padded arrays
                                                                            └──write_records──▶ JSONL / Parquet
+    store pages ──export_stream (a page of groups at a time)──▶ JSONL / Parquet + report (lightning-sdk records)
 
 See docs/records.md for the format, the merge rules and the estimators.
 """
@@ -16,6 +17,7 @@ from lightning_sdk.records.advantages import (
     discounted_returns,
     estimator_names,
     get_estimator,
+    is_batch_wide,
     reference_advantages,
     register_estimator,
     zero_variance_groups,
@@ -24,7 +26,10 @@ from lightning_sdk.records.batch import build_batch, to_torch
 from lightning_sdk.records.build import BuildResult, RecordsConfig, RolloutReport, build_records
 from lightning_sdk.records.export import (
     COLUMNS,
+    ExportResult,
+    PageSource,
     export_records,
+    export_stream,
     read_jsonl,
     record_row,
     report_json,
@@ -44,9 +49,11 @@ __all__ = [
     "BuildResult",
     "CallSpan",
     "Estimator",
+    "ExportResult",
     "MergeOptions",
     "MergeResult",
     "MergeStats",
+    "PageSource",
     "Record",
     "RecordsConfig",
     "RolloutReport",
@@ -58,7 +65,9 @@ __all__ = [
     "discounted_returns",
     "estimator_names",
     "export_records",
+    "export_stream",
     "get_estimator",
+    "is_batch_wide",
     "merge_attempt",
     "read_jsonl",
     "record_row",

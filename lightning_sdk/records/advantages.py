@@ -36,6 +36,7 @@ __all__ = [
     "discounted_returns",
     "estimator_names",
     "get_estimator",
+    "is_batch_wide",
     "reference_advantages",
     "register_estimator",
     "zero_variance_groups",
@@ -98,18 +99,28 @@ Estimator = Callable[[AdvantageInput, AdvantageConfig], F64]
 """The one signature of every estimator: (items, config) -> advantages (n,)."""
 
 _ESTIMATORS: dict[str, Estimator] = {}
+_BATCH_WIDE: set[str] = set()
 
 
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: register ``fn`` under ``name`` (a name may be registered once)."""
+def register_estimator(name: str, *, batch_wide: bool = False) -> Callable[[Estimator], Estimator]:
+    """Decorator: register ``fn`` under ``name`` (a name may be registered once). ``batch_wide``: the advantage of
+    an item depends on items of other groups (a whitening over the batch), not only on its own group's."""
 
     def deco(fn: Estimator) -> Estimator:
         if name in _ESTIMATORS and _ESTIMATORS[name] is not fn:
             raise ConfigError(f"advantage estimator {name!r} is already registered")
         _ESTIMATORS[name] = fn
+        if batch_wide:
+            _BATCH_WIDE.add(name)
         return fn
 
     return deco
+
+
+def is_batch_wide(name: str) -> bool:
+    """Whether estimator ``name`` looks beyond each group (so a batch cannot be split between groups unchanged)."""
+    get_estimator(name)
+    return name in _BATCH_WIDE
 
 
 def estimator_names() -> list[str]:
@@ -184,7 +195,7 @@ def rloo(items: AdvantageInput, config: AdvantageConfig) -> F64:
     return np.asarray(scale * (items.scores - mean[g]), dtype=np.float64)
 
 
-@register_estimator("reinforce_plus_plus_baseline")
+@register_estimator("reinforce_plus_plus_baseline", batch_wide=True)
 def reinforce_plus_plus_baseline(items: AdvantageInput, config: AdvantageConfig) -> F64:
     """r - group mean, whitened over the batch's trained tokens (items weighted by token count)."""
     g, mean, _, _ = _group_stats(items)

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from lightning_sdk.errors import RecordError
 from lightning_sdk.records.advantages import (
+    F64,
     AdvantageConfig,
     AdvantageInput,
     compute_advantages,
@@ -103,7 +105,7 @@ class RolloutReport:
         }
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class BuildResult:
     records: list[Record]
     reports: list[RolloutReport]
@@ -111,6 +113,11 @@ class BuildResult:
     zero_variance_groups: int = 0
     dropped_groups: int = 0
     single_groups: int = 0
+
+    def __repr__(self) -> str:
+        # Short on purpose: CPython 3.11's asyncio.run reprs the result of its main task (restoring the SIGINT
+        # handler), and the records' arrays made that 90% of a 10k-call export's time.
+        return f"BuildResult(records={len(self.records)}, reports={len(self.reports)}, groups={self.groups})"
 
     def summary(self) -> dict[str, Any]:
         trained = [r for r in self.reports if r.trained]
@@ -197,8 +204,17 @@ def _items(
     return [c.call_id for c in trained], returns.tolist(), [span_tokens[c.call_id] for c in trained]
 
 
-def build_records(groups: Sequence[FinishedGroup], config: RecordsConfig | None = None) -> BuildResult:
-    """Records (one per segment of every trained attempt) with advantages, and a fidelity report per rollout."""
+def build_records(
+    groups: Sequence[FinishedGroup],
+    config: RecordsConfig | None = None,
+    *,
+    advantages: Callable[[AdvantageInput], F64] | None = None,
+) -> BuildResult:
+    """Records (one per segment of every trained attempt) with advantages, and a fidelity report per rollout.
+
+    ``advantages`` replaces the estimator call over the batch's items (one per trained attempt, or per trained call
+    with per-turn credit, in group order): a streamed export builds a page at a time and hands each page the
+    advantages an estimator that looks beyond the group computed over the whole export."""
     config = config or RecordsConfig()
     adv_cfg = config.advantage
     get_estimator(adv_cfg.estimator)  # fail early on an unknown name
@@ -251,7 +267,9 @@ def build_records(groups: Sequence[FinishedGroup], config: RecordsConfig | None 
         gidx.extend([a.group_pos] * len(a.item_scores))
         tokens.extend(a.item_tokens)
     items = AdvantageInput.of(scores, gidx, tokens)
-    adv = compute_advantages(items, adv_cfg)
+    adv = compute_advantages(items, adv_cfg) if advantages is None else advantages(items)
+    if adv.shape != items.scores.shape:
+        raise RecordError(f"advantages: {adv.shape[0]} values for {items.scores.shape[0]} items")
     flat = zero_variance_groups(items)
     flat_groups = {gidx[i] for i in np.flatnonzero(flat).tolist()}
 

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from rich.console import Console
 from rich.table import Table
 
-from lightning_sdk.records.build import BuildResult
+from lightning_sdk.records.build import RolloutReport
 
 __all__ = ["render_report"]
+
+
+class _Reported(Protocol):
+    """A ``BuildResult``, or a streamed export's ``ExportResult`` (which keeps only the first reports)."""
+
+    @property
+    def reports(self) -> list[RolloutReport]: ...
+
+    def summary(self) -> dict[str, Any]: ...
 
 
 def _fmt(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "-"
 
 
-def render_report(result: BuildResult, console: Console | None = None, *, max_rows: int = 50) -> None:
+def render_report(result: _Reported, console: Console | None = None, *, max_rows: int = 50) -> None:
     """Print a table of the first ``max_rows`` rollouts and a summary line to ``console``."""
     console = console or Console()
     table = Table(title="records: token fidelity per rollout", show_lines=False)
@@ -50,9 +61,9 @@ def render_report(result: BuildResult, console: Console | None = None, *, max_ro
             rep.note or ("zero-variance group" if rep.zero_variance_group else ""),
         )
     console.print(table)
-    if len(result.reports) > max_rows:
-        console.print(f"... {len(result.reports) - max_rows} more rollouts (see --report FILE for all)")
     summ = result.summary()
+    if summ["rollouts"] > max_rows:
+        console.print(f"... {summ['rollouts'] - max_rows} more rollouts (see --report FILE for all)")
     console.print(
         f"{summ['records']} records from {summ['rollouts_trained']}/{summ['rollouts']} rollouts in "
         f"{summ['groups']} groups; {summ['tokens_trained']}/{summ['tokens']} tokens trained; "

@@ -12,7 +12,7 @@ from lightning_sdk.store._sync import run_sync
 from lightning_sdk.store.base import Store
 from lightning_sdk.store.http_client import HTTPStore
 from lightning_sdk.store.http_server import store_routes
-from lightning_sdk.store.loader import load_groups
+from lightning_sdk.store.loader import iter_group_pages, load_groups
 from lightning_sdk.store.memory import MemoryStore
 from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.types import FinishedGroup
@@ -26,6 +26,7 @@ __all__ = [
     "MemoryStore",
     "SQLiteStore",
     "Store",
+    "iter_group_pages",
     "load_groups",
     "open_store",
     "reap_leases",

@@ -354,7 +354,7 @@ _READY = (
 
 def counts(conn: Conn) -> dict[str, int]:
     out = dict.fromkeys(lc.ROLLOUT_STATUSES, 0)
-    for status, count in conn.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status"):
+    for status, count in conn.execute("SELECT status, n FROM rollout_counts"):  # kept by triggers (schema)
         out[status] = count
     (out["groups_ready"],) = conn.execute(f"SELECT COUNT(*) {_READY}", ("train",)).fetchone()
     return out
@@ -364,6 +364,27 @@ def finished_groups(conn: Conn, limit: int, split: str) -> list[FinishedGroup]:
     groups = [
         group_from_row(r) for r in conn.execute(f"SELECT {GROUP_COLS} {_READY} ORDER BY g.seq LIMIT ?", (split, limit))
     ]
+    return _with_rollouts(conn, groups)
+
+
+def list_group_details(
+    conn: Conn, split: str | None, limit: int, after: str | None
+) -> tuple[list[FinishedGroup], str | None]:
+    lc.check_limit(limit, "list_group_details")
+    where = "g.seq > ?"
+    args: list[Any] = [lc.decode_cursor(after)]
+    if split is not None:
+        where += " AND g.split = ?"
+        args.append(split)
+    rows = conn.execute(
+        f"SELECT g.seq, {GROUP_COLS} FROM groups g WHERE {where} ORDER BY g.seq LIMIT ?", (*args, limit + 1)
+    ).fetchall()
+    page = _with_rollouts(conn, [group_from_row(row[1:]) for row in rows[:limit]])
+    return page, (lc.encode_cursor(rows[limit - 1][0]) if len(rows) > limit else None)
+
+
+def _with_rollouts(conn: Conn, groups: list[Group]) -> list[FinishedGroup]:
+    """Each group with the details of its rollouts in creation order (a few bulk queries)."""
     by_group: dict[str, list[Rollout]] = {}
     for chunk in _chunks([g.group_id for g in groups]):
         cur = conn.execute(

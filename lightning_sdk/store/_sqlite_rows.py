@@ -21,6 +21,7 @@ from lightning_sdk.types import Attempt, AttemptStatus, Call, Group, Rollout, Ro
 __all__ = [
     "ATTEMPT_COLS",
     "GROUP_COLS",
+    "MIGRATE_1_TO_2",
     "ROLLOUT_COLS",
     "SCHEMA",
     "SCHEMA_VERSION",
@@ -34,7 +35,9 @@ __all__ = [
     "rollout_from_row",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version 2 added ``rollout_counts`` (rollouts per status, kept by triggers): a file of version 1 is migrated when
+it is opened (``MIGRATE_1_TO_2``, one pass over its rollouts)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -102,6 +105,23 @@ CREATE TABLE IF NOT EXISTS rewards (
     PRIMARY KEY (attempt_id, name, call_id)
 );
 
+-- Rollouts per status, kept by triggers in the transaction that moves a rollout, so ``counts()`` reads a few
+-- rows instead of counting the whole table.
+CREATE TABLE IF NOT EXISTS rollout_counts (status TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS rollout_counts_insert AFTER INSERT ON rollouts BEGIN
+    INSERT INTO rollout_counts (status, n) VALUES (new.status, 1)
+        ON CONFLICT (status) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS rollout_counts_update AFTER UPDATE OF status ON rollouts
+    WHEN old.status IS NOT new.status BEGIN
+    UPDATE rollout_counts SET n = n - 1 WHERE status = old.status;
+    INSERT INTO rollout_counts (status, n) VALUES (new.status, 1)
+        ON CONFLICT (status) DO UPDATE SET n = n + 1;
+END;
+CREATE TRIGGER IF NOT EXISTS rollout_counts_delete AFTER DELETE ON rollouts BEGIN
+    UPDATE rollout_counts SET n = n - 1 WHERE status = old.status;
+END;
+
 CREATE TABLE IF NOT EXISTS versions (
     version    INTEGER PRIMARY KEY,
     step       INTEGER,
@@ -111,6 +131,12 @@ CREATE TABLE IF NOT EXISTS versions (
 CREATE TABLE IF NOT EXISTS resources (name TEXT PRIMARY KEY, body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+
+MIGRATE_1_TO_2 = """
+DELETE FROM rollout_counts;
+INSERT INTO rollout_counts (status, n) SELECT status, COUNT(*) FROM rollouts GROUP BY status;
+"""
+"""Run after ``SCHEMA`` (which creates the new table and its triggers) on a file of version 1."""
 
 GROUP_COLS = "g.group_id, g.task, g.n, g.split, g.created_at, g.consumed_step"
 ROLLOUT_COLS = (

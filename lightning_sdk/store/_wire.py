@@ -175,6 +175,11 @@ class FinishedGroupsBody(_Wire):
     groups: list[FinishedGroupBody]
 
 
+class GroupDetailPageBody(_Wire):
+    groups: list[FinishedGroupBody]
+    next: str | None
+
+
 class ConsumeBody(_Wire):
     consumed: list[str]
 

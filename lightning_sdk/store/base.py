@@ -102,6 +102,14 @@ class Store(Protocol):
         """``list_rollouts`` with each rollout's attempts, calls and rewards: one read per page (for export)."""
         ...
 
+    async def list_group_details(
+        self, *, split: str | None = None, limit: int = 64, after: str | None = None
+    ) -> tuple[list[FinishedGroup], str | None]:
+        """A page of groups (of ``split``; None = every split) in creation order, each with every rollout's
+        attempts, calls and rewards (consumed or not, any status), and the cursor of the next page (None at the
+        end): one read per page, so an export streams the store a bounded page at a time."""
+        ...
+
     async def counts(self) -> dict[str, int]:
         """Rollouts by status plus ``groups_ready`` (finished, unconsumed train groups)."""
         ...

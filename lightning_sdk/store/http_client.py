@@ -227,6 +227,13 @@ class HTTPStore:
         )
         return res.details, res.next
 
+    async def list_group_details(
+        self, *, split: str | None = None, limit: int = 64, after: str | None = None
+    ) -> tuple[list[FinishedGroup], str | None]:
+        params = {"limit": limit, "after": after, "split": split}
+        res = await self._call("GET", "/group-details", w.GroupDetailPageBody, params=params)
+        return [FinishedGroup(g.group, g.rollouts) for g in res.groups], res.next
+
     async def counts(self) -> dict[str, int]:
         res = await self._call("GET", "/counts", w.CountsBody)
         return res.counts

@@ -26,6 +26,7 @@ GET    /rollouts?status=&limit=&after=  -                                     Ro
 GET    /rollouts/{rollout_id}           -                                     RolloutDetailBody
 GET    /rollout-details?limit=&after=   -                                     RolloutDetailPageBody
 POST   /rollouts/{rollout_id}/cancel    -                                     RolloutBody
+GET    /group-details?split=&limit=&after= -                                  GroupDetailPageBody
 GET    /counts                          -                                     CountsBody
 GET    /groups/finished?limit=&split=   -                                     FinishedGroupsBody
 POST   /groups/consume                  ConsumeRequest                        ConsumeBody
@@ -204,6 +205,14 @@ def store_routes(store: Store, admin_key: str, *, finish_attempt: FinishFn | Non
     async def cancel(request: Request) -> BaseModel:
         return w.RolloutBody(rollout=await store.cancel_rollout(request.path_params["rollout_id"]))
 
+    async def group_details(request: Request) -> BaseModel:
+        q = request.query_params
+        page, nxt = await store.list_group_details(
+            split=q.get("split") or None, limit=_int_param(request, "limit", 64), after=q.get("after") or None
+        )
+        groups = [w.FinishedGroupBody(group=g.group, rollouts=g.rollouts) for g in page]
+        return w.GroupDetailPageBody(groups=groups, next=nxt)
+
     async def counts(request: Request) -> BaseModel:
         return w.CountsBody(counts=await store.counts())
 
@@ -254,6 +263,7 @@ def store_routes(store: Store, admin_key: str, *, finish_attempt: FinishFn | Non
         ("GET", "/rollouts/{rollout_id}", get_rollout),
         ("POST", "/rollouts/{rollout_id}/cancel", cancel),
         ("GET", "/rollout-details", list_details),
+        ("GET", "/group-details", group_details),
         ("GET", "/counts", counts),
         ("GET", "/groups/finished", finished),
         ("POST", "/groups/consume", consume),

@@ -43,6 +43,7 @@ class MemoryStore:
         self.clock = clock  # what "now" is for leases (tests drive a ManualClock)
         self._lock = threading.Lock()
         self._groups: dict[str, Group] = {}  # insertion order = creation order
+        self._group_order: list[str] = []  # group ids in creation order (positions are list cursors)
         self._group_rollouts: dict[str, list[str]] = {}
         self._rollouts: dict[str, Rollout] = {}
         self._rollout_seq: dict[str, int] = {}
@@ -132,6 +133,7 @@ class MemoryStore:
                     continue
                 group = lc.new_group(_copy_json(task), n, split, gid, ts)
                 self._groups[group.group_id] = group
+                self._group_order.append(group.group_id)
                 for rollout in lc.new_rollouts(group, n, max_attempts, ts):
                     self._add_rollout(rollout)
                 out.append(group.model_copy(deep=True))
@@ -145,6 +147,7 @@ class MemoryStore:
             group = self._groups.get(group_id) if group_id is not None else None
             if group is None:
                 group = lc.new_group(_copy_json(task or {}), 1, split, group_id, ts)
+                self._group_order.append(group.group_id)
             else:
                 group = lc.join_group(group)
             rollout, attempt = lc.open_session_objects(group, ts)
@@ -254,6 +257,25 @@ class MemoryStore:
         page, nxt = await self.list_rollouts(limit=limit, after=after)
         with self._lock:
             return [self._detail(r.rollout_id) for r in page], nxt
+
+    async def list_group_details(
+        self, *, split: str | None = None, limit: int = 64, after: str | None = None
+    ) -> tuple[list[FinishedGroup], str | None]:
+        lc.check_limit(limit, "list_group_details")
+        page: list[FinishedGroup] = []
+        last, more = 0, False
+        with self._lock:
+            for pos in range(lc.decode_cursor(after), len(self._group_order)):
+                group = self._groups[self._group_order[pos]]
+                if split is not None and group.split != split:
+                    continue
+                if len(page) == limit:
+                    more = True
+                    break
+                rollouts = [self._detail(r) for r in self._group_rollouts.get(group.group_id, [])]
+                page.append(FinishedGroup(group.model_copy(deep=True), rollouts))
+                last = pos + 1
+        return page, (lc.encode_cursor(last) if more else None)
 
     async def counts(self) -> dict[str, int]:
         with self._lock:

@@ -85,13 +85,7 @@ class SQLiteStore:
             self._wconn = rows.connect(
                 str(self.path), synchronous=synchronous, busy_timeout_s=busy_timeout_s, readonly=False
             )
-            version = self._wconn.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, rows.SCHEMA_VERSION):
-                raise StoreError(
-                    f"{self.path}: schema version {version}, this lightning_sdk reads {rows.SCHEMA_VERSION}"
-                )
-            self._wconn.executescript(rows.SCHEMA)
-            self._wconn.execute(f"PRAGMA user_version = {rows.SCHEMA_VERSION}")
+            self._open_schema()
             self._rconn = rows.connect(
                 str(self.path), synchronous=synchronous, busy_timeout_s=busy_timeout_s, readonly=True
             )
@@ -106,6 +100,33 @@ class SQLiteStore:
         logger.info(
             "opened store %s (WAL, synchronous=%s, %d running attempts)", self.path, synchronous, len(self._running)
         )
+
+    def _open_schema(self) -> None:
+        """Create the schema in a new file, or migrate a file of an older version (in one transaction)."""
+        conn = self._wconn
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == rows.SCHEMA_VERSION:
+            return
+        if version not in (0, 1):
+            raise StoreError(
+                f"{self.path}: schema version {version}, this lightning_sdk reads {rows.SCHEMA_VERSION} "
+                "(and migrates 1): a newer lightning_sdk wrote it"
+            )
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("PRAGMA user_version").fetchone()[0] != rows.SCHEMA_VERSION:  # not another opener's
+                for statement in _statements(rows.SCHEMA):
+                    conn.execute(statement)
+                if version == 1:
+                    logger.info("migrating store %s from schema 1 to %d", self.path, rows.SCHEMA_VERSION)
+                    for statement in _statements(rows.MIGRATE_1_TO_2):
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {rows.SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
 
     # -- plumbing -----------------------------------------------------------------------------------------------
     async def _write(self, fn: Callable[..., T], *args: Any) -> T:
@@ -224,6 +245,11 @@ class SQLiteStore:
     ) -> tuple[list[RolloutDetail], str | None]:
         return await self._read(ops.list_rollout_details, limit, after)
 
+    async def list_group_details(
+        self, *, split: str | None = None, limit: int = 64, after: str | None = None
+    ) -> tuple[list[FinishedGroup], str | None]:
+        return await self._read(ops.list_group_details, split, limit, after)
+
     async def counts(self) -> dict[str, int]:
         return await self._read(ops.counts)
 
@@ -263,6 +289,20 @@ class SQLiteStore:
         await loop.run_in_executor(self._writer, self._wconn.close)  # the last connection to close checkpoints
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
+
+
+def _statements(script: str) -> list[str]:
+    """The statements of an SQL script (``executescript`` would commit the transaction it runs in)."""
+    out: list[str] = []
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        out.append(buf.strip())
+    return out
 
 
 def _attempts_in(result: Any) -> list[Attempt]:

@@ -182,6 +182,12 @@ class EngineConfig(_Section):
         None, description="launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)"
     )
     max_batch_size: int = Field(256, ge=1, description="embedded: requests generated together")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="embedded: torch intra-op threads of the engine's thread (default: half the CPU cores, at least 1, "
+        "as the learner computes at the same time)",
+    )
 
     @model_validator(mode="after")
     def _servers(self) -> EngineConfig:

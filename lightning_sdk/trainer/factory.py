@@ -29,7 +29,7 @@ from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Samp
 from lightning_sdk.errors import ConfigError, EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.learner import Learner
+from lightning_sdk.trainer.learner import Learner, half_the_cores
 
 __all__ = [
     "LearnerLike",
@@ -214,7 +214,12 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
         from lightning_sdk.engines.embedded import EmbeddedEngine
 
         # the engine serves a copy of the policy; the embedded learner trains the original
-        engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=config.engine.max_batch_size)
+        engine = EmbeddedEngine(
+            copy.deepcopy(model),
+            tokenizer,
+            max_batch_size=config.engine.max_batch_size,
+            threads=config.engine.threads or half_the_cores(),
+        )
     if config.backend == "verl":
         try:
             return _verl_parts(config, run_dir, model_dir, engine, tokenizer, remote)

@@ -262,3 +262,17 @@ async def test_rows_that_stop_early_leave_the_others_exact(engine: EmbeddedEngin
     for prompt, gen in zip(prompts, gens, strict=True):
         ref = _reference_logprobs(model, prompt, gen.completion_ids, 1.0)
         assert gen.logprobs == pytest.approx(ref, abs=2e-4)
+
+
+async def test_the_engine_thread_uses_its_own_thread_count(policy_dir: Path) -> None:
+    """torch keeps intra-op threads per thread: the engine's thread takes ``threads`` and the caller's stays."""
+    model, tokenizer = load_policy(policy_dir)
+    before = torch.get_num_threads()
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=4, threads=1)
+    try:
+        gen = await engine.generate(_prompt(engine, "2+2"), Sampling(max_tokens=4, temperature=0.0))
+        assert len(gen.completion_ids) >= 1
+        assert engine.stats["threads"] == 1
+        assert torch.get_num_threads() == before
+    finally:
+        await engine.close()

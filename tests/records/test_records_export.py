@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow.parquet as pq
 import pytest
 import typer
@@ -15,11 +17,13 @@ import lightning_sdk.cli.records_cmd  # noqa: F401  (registers the command)
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import RecordError
 from lightning_sdk.records import build_records
+from lightning_sdk.records.advantages import AdvantageConfig
 from lightning_sdk.records.batch import build_batch, to_torch
-from lightning_sdk.records.export import COLUMNS, export_records, read_jsonl
-from lightning_sdk.store import load_groups
+from lightning_sdk.records.build import RecordsConfig
+from lightning_sdk.records.export import COLUMNS, export_records, export_stream, read_jsonl, report_json
+from lightning_sdk.store import iter_group_pages, load_groups
 from lightning_sdk.store.sqlite import SQLiteStore
-from lightning_sdk.types import AttemptStatus, Call, Reward
+from lightning_sdk.types import AttemptStatus, Call, FinishedGroup, Reward
 from tests.records.calls import Attempt, full
 
 QWEN_IM_START = 151644
@@ -106,6 +110,101 @@ async def test_export_round_trip_through_sqlite_file(tmp_path: Path) -> None:
     assert first["advantage"] == pytest.approx(0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6))
     grp_b = [r for r in rows if r["group"] == "grp-b"]  # one success, one failure: a group of one
     assert len(grp_b) == 1 and result.zero_variance_groups == 0
+
+
+async def _add_per_call_group(path: Path) -> None:
+    """A third group whose first attempt rewards a call (per-turn credit: per-token advantages)."""
+    store = SQLiteStore(path)
+    try:
+        await store.enqueue([{"q": "c"}], n=2, group_ids=["grp-c"])
+        for i in range(2):
+            claim = await store.claim(f"wc{i}")
+            assert claim is not None
+            att = claim.attempt
+            a = Attempt(att.attempt_id, att.rollout_id)
+            c0 = a.call([QWEN_IM_START, 50 + i, 11], [60, 61], version=3)
+            a.call([*full(c0), 30], [70, 71, 72], version=3)
+            await store.record_calls(a.calls)
+            rewards = [Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=float(i))]
+            if i == 0:
+                per_call = Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=0.5, call_id=c0.call_id)
+                rewards.append(per_call)
+            await store.record_rewards(rewards)
+            await store.finish_attempt(att.attempt_id, AttemptStatus.SUCCEEDED)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus_baseline"])
+async def test_streamed_export_writes_what_the_whole_export_writes(tmp_path: Path, estimator: str) -> None:
+    """A page of one group at a time gives the same file and report as all groups at once; an estimator that whitens
+    over the whole batch costs a first pass that collects every item's score."""
+    db = tmp_path / "store.db"
+    await _fill(db)
+    await _add_per_call_group(db)
+    config = RecordsConfig(advantage=AdvantageConfig(estimator=estimator))
+    store = SQLiteStore(db)
+    try:
+        whole = export_records(await load_groups(store, split=None), tmp_path / "whole.jsonl", config)
+        streamed = await export_stream(
+            lambda: iter_group_pages(store, split=None, page=1),
+            tmp_path / "streamed.jsonl",
+            config,
+            report=tmp_path / "report.json",
+            keep_records=2,
+            keep_reports=3,
+        )
+    finally:
+        await store.close()
+    assert (tmp_path / "streamed.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
+    assert streamed.rows == len(whole.records) == 6 and streamed.pages == 3
+    assert streamed.passes == (2 if estimator == "reinforce_plus_plus_baseline" else 1)
+    assert streamed.summary() == whole.summary()
+    assert json.loads((tmp_path / "report.json").read_bytes()) == json.loads(orjson.dumps(report_json(whole)))
+    assert [r.attempt_id for r in streamed.records] == [r.attempt_id for r in whole.records[:2]]
+    assert [r.rollout_id for r in streamed.reports] == [r.rollout_id for r in whole.reports[:3]]
+
+
+async def test_streamed_parquet_switches_to_per_token_advantages_like_the_whole_export(tmp_path: Path) -> None:
+    """The first page has one advantage per row; the second needs per-token lists: the file is written again with
+    lists, equal to the in-memory export's."""
+    db = tmp_path / "store.db"
+    await _fill(db)
+    await _add_per_call_group(db)
+    store = SQLiteStore(db)
+    try:
+        whole = export_records(await load_groups(store, split=None), tmp_path / "whole.parquet")
+        streamed = await export_stream(
+            lambda: iter_group_pages(store, split=None, page=2), tmp_path / "streamed.parquet"
+        )
+    finally:
+        await store.close()
+    assert streamed.passes == 2 and streamed.rows == len(whole.records)
+    table = pq.read_table(tmp_path / "streamed.parquet")
+    assert str(table.schema.field("advantage").type) == "list<element: double>"
+    assert table.to_pylist() == pq.read_table(tmp_path / "whole.parquet").to_pylist()
+
+
+async def test_streamed_export_writes_each_page_before_reading_the_next(tmp_path: Path) -> None:
+    """Bounded memory, as behaviour: pages hold at most ``page`` groups and the rows of a page are in the file before
+    the next page is read (the peak RSS at 1M calls is in benchmarks/store_scale.py)."""
+    db = tmp_path / "store.db"
+    await _fill(db)
+    await _add_per_call_group(db)
+    out = tmp_path / "rows.jsonl"
+    store = SQLiteStore(db)
+    seen: list[tuple[int, int]] = []  # (groups in the page, rows in the file when the page was read)
+
+    async def pages() -> AsyncIterator[list[FinishedGroup]]:
+        async for page in iter_group_pages(store, split=None, page=1):
+            seen.append((len(page), len(read_jsonl(out)) if out.exists() else 0))
+            yield page
+
+    try:
+        result = await export_stream(pages, out)
+    finally:
+        await store.close()
+    assert seen == [(1, 0), (1, 3), (1, 4)] and result.rows == 6 and len(read_jsonl(out)) == 6
 
 
 def test_cli_writes_jsonl_parquet_and_report(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ def test_exported_members() -> None:
         "MemoryStore",
         "SQLiteStore",
         "Store",
+        "iter_group_pages",
         "load_groups",
         "open_store",
         "reap_leases",

@@ -76,7 +76,10 @@ class Driver:
         finished = {sp: [f.group.group_id for f in await s.finished_groups(split=sp)] for sp in ("train", "eval")}
         attempts = [(a.status.value, a.index) for a in [await s.get_attempt(x) for x in self.attempts]]
         rows = [(r.group_id, r.status.value, r.attempts_used, r.max_attempts, r.split) for r in rollouts]
-        return rows, attempts, finished, await s.counts()
+        groups, _ = await s.list_group_details(split=None, limit=1000)
+        listed = [(g.group.group_id, g.group.consumed_step, [d.rollout.status.value for d in g.rollouts])
+                  for g in groups]  # fmt: skip
+        return rows, attempts, finished, listed, await s.counts()
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

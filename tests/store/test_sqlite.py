@@ -15,6 +15,7 @@ import pytest
 
 from lightning_sdk.errors import StoreError, StoreUnavailableError
 from lightning_sdk.store import ManualClock, SQLiteStore
+from lightning_sdk.store import _sqlite_ops as ops
 from lightning_sdk.types import AttemptStatus, RolloutStatus
 
 from .crash_writer import ids_for
@@ -154,9 +155,91 @@ async def test_schema_uses_indexes(tmp_path: Path) -> None:
             "SELECT * FROM attempts WHERE status = 'running' AND lease_expires_at <= ?",
             1.0,
         )
-        assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+        ready = "SELECT g.seq " + ops._READY + " ORDER BY g.seq LIMIT 10"  # finished_groups and counts()
+        assert "groups_unconsumed" in plan(ready, "train")
+        assert "rollouts_group" in plan(ready, "train")  # the EXISTS checks of each unconsumed group
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
     finally:
         conn.close()
+
+
+async def test_counts_are_kept_by_triggers_and_match_a_full_count(tmp_path: Path) -> None:
+    """``counts()`` reads ``rollout_counts`` (kept by triggers), never the rollouts table: after every kind of move
+    it equals a count over the table."""
+    clock = ManualClock(100.0)
+    db = tmp_path / "s.db"
+    store = SQLiteStore(db, clock=clock)
+    raw = sqlite3.connect(db)
+
+    def full_count() -> dict[str, int]:
+        out = dict.fromkeys(("queued", "running", "succeeded", "failed", "cancelled"), 0)
+        out.update(raw.execute("SELECT status, COUNT(*) FROM rollouts GROUP BY status").fetchall())
+        return out
+
+    async def check() -> None:
+        counts = await store.counts()
+        assert {k: v for k, v in counts.items() if k != "groups_ready"} == full_count()
+
+    try:
+        await store.enqueue([{"q": i} for i in range(4)], n=2, max_attempts=2)
+        await check()
+        first = await store.claim("w", lease_s=5)
+        second = await store.claim("w", lease_s=5)
+        assert first is not None and second is not None
+        await check()
+        await store.finish_attempt(first.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+        await store.finish_attempt(second.attempt.attempt_id, AttemptStatus.FAILED, "x")  # queued again
+        await check()
+        third = await store.claim("w", lease_s=5)
+        assert third is not None
+        clock.advance(10)
+        assert len(await store.expire_leases()) == 1
+        await check()
+        rollouts, _ = await store.list_rollouts(status=RolloutStatus.QUEUED)
+        await store.cancel_rollout(rollouts[-1].rollout_id)
+        await store.open_session({"q": "by hand"})
+        await check()
+        assert (await store.counts())["cancelled"] == 1 and (await store.counts())["running"] == 1
+        # the counts come from the small table: its rows are the counts
+        assert dict(raw.execute("SELECT status, n FROM rollout_counts WHERE n > 0").fetchall()) == {
+            k: v for k, v in full_count().items() if v
+        }
+    finally:
+        raw.close()
+        await store.close()
+
+
+async def test_a_schema_1_file_is_migrated_on_open(tmp_path: Path) -> None:
+    """A store file written by the previous schema (no ``rollout_counts``) opens, gets its counts filled once, and
+    keeps them from then on; the old code's data is all there."""
+    db = tmp_path / "old.db"
+    store = SQLiteStore(db)
+    await store.enqueue([{"q": i} for i in range(3)], n=2, group_ids=["g0", "g1", "g2"])
+    claim = await store.claim("w", lease_s=600)
+    assert claim is not None
+    await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+    await store.claim("w", lease_s=600)
+    await store.close()
+    raw = sqlite3.connect(db, isolation_level=None)  # make it the file schema 1 wrote
+    for trigger in ("rollout_counts_insert", "rollout_counts_update", "rollout_counts_delete"):
+        raw.execute(f"DROP TRIGGER {trigger}")
+    raw.execute("DROP TABLE rollout_counts")
+    raw.execute("PRAGMA user_version = 1")
+    raw.close()
+
+    again = SQLiteStore(db)
+    try:
+        assert await again.counts() == {
+            "queued": 4, "running": 1, "succeeded": 1, "failed": 0, "cancelled": 0, "groups_ready": 0
+        }  # fmt: skip
+        await again.enqueue([{"q": 9}], n=3)
+        assert (await again.counts())["queued"] == 7
+        assert [g.group.group_id for g in (await again.list_group_details(limit=10))[0]][:3] == ["g0", "g1", "g2"]
+    finally:
+        await again.close()
+    raw = sqlite3.connect(db)
+    assert raw.execute("PRAGMA user_version").fetchone() == (2,)
+    raw.close()
 
 
 async def test_sqlite_errors_are_translated(tmp_path: Path) -> None:

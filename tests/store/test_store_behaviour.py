@@ -375,6 +375,46 @@ async def test_rollout_details_page_like_get_rollout_and_load_groups_reads_a_pag
     assert [g.group.task for g in await load_groups(store, split="eval")] == [{"i": 99}]
 
 
+async def test_group_details_page_groups_in_creation_order_with_every_rollout(store: Store) -> None:
+    """A group's rollouts are all in its page, also one that joined the group after later groups were made; consumed
+    groups and other splits are listed too (an export wants everything)."""
+    await store.enqueue([{"i": 0}, {"i": 1}], n=2, group_ids=["ga", "gb"])
+    await store.enqueue([{"i": 9}], split="eval", group_ids=["ge"])
+    await store.enqueue([{"i": 2}], group_ids=["gc"])
+    joined = await store.open_session(group_id="ga")
+    call = Call(call_id="c-j", attempt_id=joined.attempt.attempt_id, rollout_id=joined.rollout.rollout_id,
+                model="policy", prompt_ids=[1], completion_ids=[2], logprobs=[-0.1])  # fmt: skip
+    await store.record_calls([call])
+    await store.finish_attempt(joined.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+    claim = await store.claim("w", split="train")
+    while claim is not None:
+        await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+        claim = await store.claim("w", split="train")
+    assert await store.consume_groups(1, ["gc"]) == ["gc"]
+
+    pages: list[list[str]] = []
+    seen = {}
+    cursor: str | None = None
+    while True:
+        page, cursor = await store.list_group_details(split="train", limit=2, after=cursor)
+        pages.append([g.group.group_id for g in page])
+        seen.update({g.group.group_id: g for g in page})
+        if cursor is None:
+            break
+    assert pages == [["ga", "gb"], ["gc"]]
+    ga = seen["ga"]
+    assert ga.group.n == 3 and len(ga.rollouts) == 3
+    assert ga.rollouts[2] == await store.get_rollout(joined.rollout.rollout_id)
+    assert ga.rollouts[2].attempts[0].calls[0].completion_ids == [2]
+    every, cursor = await store.list_group_details(split=None, limit=4)
+    assert [g.group.group_id for g in every] == ["ga", "gb", "ge", "gc"] and cursor is None  # no empty last page
+    assert every[3].group.consumed_step == 1 and every[2].group.split == "eval"
+    assert all(d.rollout.group_id == g.group.group_id for g in every for d in g.rollouts)
+    assert await store.list_group_details(split="nope") == ([], None)
+    with pytest.raises(ConfigError):
+        await store.list_group_details(limit=0)
+
+
 # -- calls, rewards, versions, resources, meta -----------------------------------------------------------------------
 
 

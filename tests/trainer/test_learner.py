@@ -274,3 +274,26 @@ def test_shared_prefix_gives_the_same_logprobs_and_update(policy_dir: Path) -> N
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     for (k, pa), (_, pb) in zip(off.model.state_dict().items(), on.model.state_dict().items(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6), k
+
+
+def test_an_update_sets_its_threads_intra_op_threads(policy_dir: Path) -> None:
+    """The learner's step runs in a worker thread next to the engine's: it sets that thread's own count and leaves
+    the other threads' alone (torch keeps the count per thread)."""
+    import threading
+
+    model, _ = load_policy(policy_dir)
+    learner = Learner(model, LearnerConfig(lr=1e-3, warmup_steps=1, threads=1))
+    batch = _with_rollout_logprobs(model, _batch(6))
+    torch.set_num_threads(2)
+    seen: list[int] = []
+
+    def work() -> None:
+        torch.set_num_threads(2)
+        learner.update(batch)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert seen == [1]
+    assert torch.get_num_threads() == 2
