@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -117,16 +118,19 @@ def _cgroup_parent(controller: str) -> Path | None:
 
 _CGROUPS: dict[str, Path | None] = {}
 _UNSHARE: list[str] | None = None
+_LAUNCH: tuple[str, str] | None = None  # (sh, prlimit): start commands without forking this (large) process
 _PROBED = False
 _PROBE_LOCK = threading.Lock()
 
 
 def _probe() -> None:
     """Find out once per process what the OS lets us enforce."""
-    global _PROBED, _UNSHARE
+    global _PROBED, _UNSHARE, _LAUNCH
     with _PROBE_LOCK:
         if _PROBED:
             return
+        sh, prlimit = shutil.which("sh"), shutil.which("prlimit")
+        _LAUNCH = (sh, prlimit) if sh and prlimit else None
         for controller in ("pids", "memory"):
             _CGROUPS[controller] = _cgroup_parent(controller)
         for cmd in (["unshare", "-n"], ["unshare", "-rn"]):
@@ -271,20 +275,49 @@ class LocalSandbox(Sandbox):
         base.setdefault("PYTHONDONTWRITEBYTECODE", "1")
         return base
 
+    def _rlimits(self) -> dict[int, int]:
+        """The ``setrlimit`` limits of every process of this sandbox (soft = hard, except CPU: hard one second
+        above, so SIGXCPU comes before SIGKILL)."""
+        lim, mb = self.limits, 1024 * 1024
+        out = {
+            resource.RLIMIT_AS: lim.memory_mb * mb,
+            resource.RLIMIT_FSIZE: lim.file_size_mb * mb,
+            resource.RLIMIT_NOFILE: lim.max_open_files,
+            resource.RLIMIT_CORE: 0,
+        }
+        if not _CGROUPS.get("pids"):
+            out[resource.RLIMIT_NPROC] = _user_process_count() + lim.max_processes
+        return out
+
+    def _launcher(self) -> list[str]:
+        """``sh -c`` joining the sandbox's cgroups, then ``prlimit`` setting its limits, then exec of the command:
+        the same process all along, started with vfork by ``subprocess`` (no ``preexec_fn``). A ``preexec_fn``
+        forces a real fork of this process, which copies its page tables: ~75 ms of CPU and ~200 ms of a blocked
+        event loop per start for a 1.5 GB trainer, measured here."""
+        assert _LAUNCH is not None
+        sh, prlimit = _LAUNCH
+        names = {
+            resource.RLIMIT_AS: "--as",
+            resource.RLIMIT_FSIZE: "--fsize",
+            resource.RLIMIT_NOFILE: "--nofile",
+            resource.RLIMIT_CORE: "--core",
+            resource.RLIMIT_NPROC: "--nproc",
+        }
+        limits = [f"--cpu={self.limits.cpu_s}:{self.limits.cpu_s + 1}"]
+        limits += [f"{names[k]}={v}" for k, v in self._rlimits().items()]
+        join = "".join(
+            f"echo $$ > {shlex.quote(os.path.join(cg, 'cgroup.procs'))} || exit 125; " for cg in self.cgroups
+        )
+        return [sh, "-c", f'{join}exec {shlex.quote(prlimit)} {" ".join(limits)} -- "$@"', "sh"]
+
     def _preexec(self) -> Callable[[], None]:
-        lim = self.limits
-        nproc = None if _CGROUPS.get("pids") else _user_process_count() + lim.max_processes
-        cgroups = list(self.cgroups)
+        """The same as ``_launcher`` in the child between fork and exec, where ``sh``/``prlimit`` are missing."""
+        cpu_s, rlimits, cgroups = self.limits.cpu_s, self._rlimits(), list(self.cgroups)
 
         def setup() -> None:  # runs in the child between fork and exec
-            mb = 1024 * 1024
-            resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_size_mb * mb, lim.file_size_mb * mb))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if nproc is not None:
-                resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+            for kind, value in rlimits.items():
+                resource.setrlimit(kind, (value, value))
             for cg in cgroups:
                 fd = os.open(os.path.join(cg, "cgroup.procs"), os.O_WRONLY)
                 try:
@@ -301,6 +334,13 @@ class LocalSandbox(Sandbox):
             raise SandboxError(f"sandbox {self.id} is closed")
         if self._expired or time.monotonic() >= self._deadline:
             raise SandboxError(f"sandbox {self.id} ran past its wall time of {self.limits.wall_s} s")
+        full_env = self._env(env)
+        launch: dict[str, Any] = {"preexec_fn": self._preexec()} if _LAUNCH is None else {}
+        if _LAUNCH is not None:  # the launcher execs the program: say here what Popen would have said
+            program = args[0] if os.sep not in args[0] else os.path.join(self.path, args[0])
+            if shutil.which(program, path=full_env.get("PATH", os.defpath)) is None:
+                raise SandboxError(f"sandbox {self.id}: cannot start {args[0]!r}: no such executable")
+            args = [*self._launcher(), *args]
         try:
             proc = await asyncio.create_subprocess_exec(
                 *args,
@@ -308,9 +348,9 @@ class LocalSandbox(Sandbox):
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=self.path,
-                env=self._env(env),
+                env=full_env,
                 start_new_session=True,
-                preexec_fn=self._preexec(),
+                **launch,
             )
         except (OSError, subprocess.SubprocessError) as exc:
             raise SandboxError(f"sandbox {self.id}: cannot start {args[0]!r}: {exc}") from exc

@@ -24,16 +24,18 @@ CONTEXT = 1024  # the tiny policy's max_position_embeddings
 BUDGET_S = float(os.environ.get("CODING_ACCEPTANCE_BUDGET_S", "900"))
 
 
-def _sandboxed_processes() -> list[int]:
-    found = []
+def _sandboxed_processes(root: Path) -> set[int]:
+    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
+    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
+    found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 env = Path(f"/proc/{entry}/environ").read_bytes()
             except OSError:
                 continue
-            if b"LIGHTNING_SANDBOX_ID=" in env:
-                found.append(int(entry))
+            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
+                found.add(int(entry))
     return found
 
 
@@ -49,7 +51,6 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"  # the sandboxes live under $TMPDIR/lightning-sandboxes
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    before_procs = set(_sandboxed_processes())
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
@@ -74,7 +75,7 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     # nothing left behind: no sandbox directory, no process of a sandbox
     boxes = scratch / "lightning-sandboxes"
     assert not boxes.exists() or list(boxes.iterdir()) == []
-    assert set(_sandboxed_processes()) - before_procs == set()
+    assert _sandboxed_processes(boxes) == set()
 
     # fidelity of the RL records
     report = tmp_path / "report.json"
