@@ -170,7 +170,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-async def wait_ready(url: str, timeout: float = 30.0) -> None:
+async def wait_ready(url: str, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
         while True:
