@@ -30,7 +30,7 @@ from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Samp
 from lightning_sdk.errors import ConfigError, EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.learner import Learner, half_the_cores
+from lightning_sdk.trainer.learner import Learner
 
 __all__ = [
     "LearnerLike",
@@ -214,7 +214,7 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
             copy.deepcopy(model),
             tokenizer,
             max_batch_size=config.engine.max_batch_size,
-            threads=config.engine.threads or half_the_cores(),
+            threads=config.engine.threads,
         )
     if config.backend == "verl":
         try:
