@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
 import random
 import secrets
 import sys
@@ -37,14 +38,10 @@ import openai
 
 import lightning_sdk as ls
 from lightning_sdk.agent import WorkerPool
-from lightning_sdk.engines.embedded import EmbeddedEngine
-from lightning_sdk.policy.model import build_policy, load_policy
-from lightning_sdk.policy.tokenizer import build_tokenizer
+from lightning_sdk.cli import passive_openmp
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, RecordsConfig
 from lightning_sdk.store import open_store
-from lightning_sdk.trainer.daemon import TrainerDaemon
-from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "calc_agent"))
@@ -74,24 +71,32 @@ async def skewed_agent(task: dict[str, Any], llm: ls.LLM) -> float:
 async def run_mode(
     policy: Path, work: Path, *, staleness: int, steps: int, per_step: int, samples: int
 ) -> dict[str, float]:
+    from lightning_sdk.app.loop import TrainingLoop
+    from lightning_sdk.app.server import ProxyServer, bind_socket
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.policy.model import load_policy
+    from lightning_sdk.trainer.learner import Learner, LearnerConfig
+
     model, tokenizer = load_policy(policy)
     engine = EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=256)
     learner = Learner(model, LearnerConfig(lr=1e-4))
     store = open_store(work / "store.db")
-    daemon = TrainerDaemon(
+    server = ProxyServer(bind_socket("127.0.0.1", 0), "127.0.0.1")
+    daemon = TrainingLoop(
         store,
         engine,
         learner,
         work,
+        url=server.url,
         train_tasks=calc.make_tasks(steps * per_step * 4, "train", seed=1),
         tasks_per_step=per_step,
         samples_per_task=samples,
         max_staleness=staleness,
         records_config=RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=False)),
-        sampling=SplitSampling({"train": {"temperature": 1.0, "max_tokens": 24}}),
-        admin_key=secrets.token_urlsafe(16),
     )
-    await daemon.start()
+    await daemon.resume()
+    train = SplitSampling({"train": {"temperature": 1.0, "max_tokens": 24}})
+    await server.start(store, engine, tokenizer, admin_key=secrets.token_urlsafe(16), sampling=train)
     pool = WorkerPool(skewed_agent, store, daemon.url, n_workers=128, split="train", poll_s=0.02)
     stopping = False
     pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
@@ -102,7 +107,8 @@ async def run_mode(
     pool.stop(release=True)
     await pool_task
     await pool.close()
-    await daemon.stop()
+    await daemon.flush_weights()
+    await server.stop()
     await engine.close()
     await store.close()
     steady = wall - (reports[0].wall_s if reports else 0.0)
@@ -127,7 +133,18 @@ def main() -> None:
     parser.add_argument("--tasks-per-step", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--staleness", type=int, default=3, help="max_staleness of the async run")
+    parser.add_argument(
+        "--openmp-spin",
+        action="store_true",
+        help="keep libgomp's default spin-waiting (the lightning-sdk command makes OpenMP threads wait passively)",
+    )
     args = parser.parse_args()
+    if not args.openmp_spin:
+        passive_openmp()  # before torch is imported, as the lightning-sdk command does
+    from lightning_sdk.policy.model import build_policy
+    from lightning_sdk.policy.tokenizer import build_tokenizer
+
+    print(f"load average {os.getloadavg()[0]:.2f} at start; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         bootstrap = build_tokenizer(["x"], vocab_size=300)

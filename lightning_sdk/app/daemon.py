@@ -17,10 +17,9 @@ from typing import Any
 
 from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job
+from lightning_sdk.app.loop import RunStopped, StepReport, never
+from lightning_sdk.app.view import ProgressView
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.daemon import StepReport
-from lightning_sdk.trainer.phases import RunStopped, never
-from lightning_sdk.trainer.view import ProgressView
 
 __all__ = ["run_daemon"]
 
@@ -44,8 +43,8 @@ async def run_daemon(
             job.metrics.write(report.as_dict())
             job.view.step(report)
 
-        await job.daemon.train_steps(config.rl.steps, on_step=on_step, stop=stop)
-        if job.daemon.step < config.rl.steps:
-            raise RunStopped(job.daemon.step)
+        await job.loop.train_steps(config.rl.steps, on_step=on_step, stop=stop)
+        if job.loop.step < config.rl.steps:
+            raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
-    return {"steps": job.daemon.step, "model_dir": str((job.out / "model").resolve()), "url": job.daemon.url}
+    return {"steps": job.loop.step, "model_dir": str((job.out / "model").resolve()), "url": job.server.url}

@@ -2,11 +2,12 @@
 
     open_job(config, run_dir)  ─▶  run dir (checked writable) + the proxy's socket (bound first: a bad port fails
                                    at once) + torch threads/seed + tasks and demonstrations + the policy directory
-                                   + store, proxy, engine and learner (``TrainerDaemon`` over ``build_parts``)
-                                   + ``daemon.json`` (URL, admin key) + metrics log
+                                   + engine and learner (``app/parts.py``) + store + the training loop
+                                   (``app/loop.py``, resumed from the checkpoint) + the proxy (``app/server.py``,
+                                   with the per-split sampling) + ``daemon.json`` (URL, admin key) + metrics log
     ... the job (``app/train.py`` or ``app/daemon.py``) ...
-    teardown, always, in this order: metrics, proxy (last to stop serving: workers are done by now), engine and
-    learner, store, socket
+    teardown, always, in this order: metrics, the engine's pending weights, proxy (last to stop serving: workers
+    are done by now), engine and learner, store, socket
 
 Both jobs warm-start the same way (``Job.warm_start``): the validation tasks are ``data.validation`` when given,
 else the last ``warm_start.validation_tasks`` train tasks (the two runners used to differ here).
@@ -14,11 +15,12 @@ else the last ``warm_start.validation_tasks`` train tasks (the two runners used 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,25 +30,28 @@ from typing import Any
 import torch
 
 from lightning_sdk.agent._base import Agent
+from lightning_sdk.app.loop import RunStopped, TrainingLoop, evaluate, never
+from lightning_sdk.app.parts import Parts, build_parts, check_warm_start
+from lightning_sdk.app.server import ProxyServer, bind_socket
+from lightning_sdk.app.view import MetricsLog, ProgressView
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
+from lightning_sdk.policy.warm_start import WarmStartConfig, warm_start
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig
 from lightning_sdk.store import open_store
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.daemon import TrainerDaemon, bind_socket
 from lightning_sdk.trainer.data import load_rows
-from lightning_sdk.trainer.factory import Parts, build_parts, check_warm_start
-from lightning_sdk.trainer.phases import never, warm_start_phase
 from lightning_sdk.trainer.sampling import TaskSampler
-from lightning_sdk.trainer.view import MetricsLog, ProgressView
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Job",
-    "build_daemon",
+    "build_loop",
     "open_job",
     "prepare_policy",
     "prepare_run_dir",
@@ -110,48 +115,41 @@ def records_config(config: TrainConfig, engine: object) -> RecordsConfig:
     )
 
 
-def build_daemon(
+def build_loop(
     config: TrainConfig,
     run_dir: Path,
     model_dir: Path,
     train_tasks: list[dict[str, Any]],
-    sock: socket.socket | None = None,
+    url: str = "",
     max_attempts: int = 1,
-) -> tuple[TrainerDaemon, Parts]:
-    """Store (SQLite in the run dir) + the engine and learner of ``config.backend`` / ``config.engine``
-    (``factory.build_parts``) + daemon for ``model_dir``, serving on ``sock`` if given (bound up front by
-    ``bind_socket``), else on ``config.host:config.port``. Close the parts after the daemon stopped."""
+) -> tuple[TrainingLoop, Parts]:
+    """The engine and learner of ``config.backend`` / ``config.engine`` (``app/parts.py``) for ``model_dir``, the
+    store (SQLite in the run dir) and the training loop over them, its agents calling the proxy at ``url``. Close
+    the parts, then the store, when done."""
     rl = config.rl
     parts = build_parts(config, run_dir, model_dir)
     store = open_store(run_dir / "store.db")
-    records = records_config(config, parts.engine)
     sampler = (
         TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
         if rl.replay_share > 0 and train_tasks
         else None
     )
-    daemon = TrainerDaemon(
+    loop = TrainingLoop(
         store,
         parts.engine,
         parts.learner,
         run_dir,
+        url=url,
         weights=parts.weights,
         train_tasks=train_tasks,
         tasks_per_step=rl.tasks_per_step,
         samples_per_task=rl.samples_per_task,
         max_staleness=rl.max_staleness,
-        records_config=records,
+        records_config=records_config(config, parts.engine),
         max_attempts=max_attempts,
-        sampling=split_sampling(config),
-        admin_key=secrets.token_urlsafe(24),
-        host=config.host,
-        port=config.port,
-        sock=sock,
         sampler=sampler,
     )
-    if sampler is not None:
-        sampler.start_at(daemon.next_task)
-    return daemon, parts
+    return loop, parts
 
 
 def split_sampling(config: TrainConfig) -> SplitSampling:
@@ -178,13 +176,15 @@ def validation_tasks(config: TrainConfig, train_tasks: list[dict[str, Any]]) -> 
 
 @dataclass
 class Job:
-    """What a running job has: its config and run directory, the daemon (store, proxy, engine, learner) and the
-    parts it was built from, the tasks, the view and the metrics log."""
+    """What a running job has: its config and run directory, the training loop (store, engine, learner), the parts
+    it was built from, the proxy, the tasks, the view and the metrics log."""
 
     config: TrainConfig
     out: Path
-    daemon: TrainerDaemon
+    loop: TrainingLoop
     parts: Parts
+    server: ProxyServer
+    admin_key: str
     view: ProgressView
     metrics: MetricsLog
     train_tasks: list[dict[str, Any]]
@@ -201,17 +201,48 @@ class Job:
         return not self.resumed and self.config.warm_start.enabled and bool(self.demos)
 
     async def warm_start(self, agent: Agent, stop: Callable[[], bool] = never) -> dict[str, Any] | None:
-        """The warm start, when configured and not done before (a resumed run skips it); None when skipped."""
+        """Supervised steps on the learner's model (``policy/warm_start.py``), when configured and not done before
+        (a resumed run skips it; None then). Every ``eval_every`` steps the engine gets the weights and the agent is
+        evaluated on the validation tasks through the proxy (split ``warmup-N``: sampled as ``[eval]`` says).
+        ``stop()`` ends it at the next supervised step or evaluation with ``RunStopped`` (nothing is checkpointed:
+        a re-run warm-starts again)."""
         if not self.needs_warm_start or stop():
             return None
         self.view.set_phase("warm start")
-        assert self.parts.model is not None  # check_warm_start: only the embedded backend warm-starts
+        model = self.parts.model
+        assert model is not None  # check_warm_start: only the embedded backend warm-starts
+        loop, ev, note = self.loop, self.config.eval, self.view.note
         val = validation_tasks(self.config, self.train_tasks)
-        result = await warm_start_phase(
-            self.daemon, agent, self.config, self.demos, val, self.view.note, self.parts.model, stop
+        event_loop = asyncio.get_running_loop()
+        rounds = 0
+
+        def evaluate_model(model: torch.nn.Module) -> float:  # runs in the warm start's thread
+            nonlocal rounds
+            rounds += 1
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+            async def go() -> float:
+                await loop.engine.update_weights(state, loop.version)
+                res = await evaluate(loop, agent, val, f"warmup-{rounds}", ev.workers, stop)
+                return float(res["success_rate"])
+
+            success = asyncio.run_coroutine_threadsafe(go(), event_loop).result()
+            note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
+            return success
+
+        ws = self.config.warm_start
+        cfg = WarmStartConfig.model_validate(ws.model_dump(include=set(WarmStartConfig.model_fields)))
+        result = await asyncio.to_thread(
+            warm_start, model, loop.engine.tokenizer, self.demos, evaluate_model, cfg, stop
         )
-        self.view.note(f"warm start: {result['steps']} steps, {result['wall_s']:.0f} s")
-        return result
+        if result.stopped:
+            raise RunStopped(loop.step)
+        reset = getattr(loop.learner, "reset_optimizer", None)
+        if reset is not None:  # the supervised steps moved the weights the optimizer's moments were for
+            reset()
+        await loop.engine.update_weights(await asyncio.to_thread(loop.weights), loop.version)
+        note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s")
+        return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}
 
 
 @contextlib.asynccontextmanager
@@ -228,7 +259,7 @@ async def open_job(
     """Set the job up (see the module docstring), yield it, and tear it down whatever happens."""
     t_start = time.perf_counter()
     out = prepare_run_dir(run_dir)
-    sock = bind_socket(config.host, config.port)
+    server = ProxyServer(bind_socket(config.host, config.port), config.host)
     try:
         (out / "config.json").write_text(config.model_dump_json(indent=2))
         if config.threads:
@@ -242,25 +273,31 @@ async def open_job(
         check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
         view.set_phase("building the policy")
         model_dir = prepare_policy(config, out, demos)
-        daemon, parts = build_daemon(config, out, model_dir, train_tasks, sock, max_attempts=max_attempts)
-        if admin_key:
-            daemon.admin_key = admin_key
+        loop, parts = build_loop(config, out, model_dir, train_tasks, server.url, max_attempts=max_attempts)
+        key = admin_key or secrets.token_urlsafe(24)
         try:
-            await daemon.start()
-            (out / "daemon.json").write_text(json.dumps({"url": daemon.url, "admin_key": daemon.admin_key}))
-            view.note(f"proxy on {daemon.url} (admin key in {out / 'daemon.json'})")
+            await loop.resume()
+            if loop.sampler is not None:  # resumed: new groups continue after the last enqueued one
+                loop.sampler.start_at(loop.next_task)
+            await server.start(
+                loop.store, parts.engine, parts.engine.tokenizer, admin_key=key, sampling=split_sampling(config)
+            )
+            logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
+            (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
+            view.note(f"proxy on {server.url} (admin key in {out / 'daemon.json'})")
             if on_ready is not None:
-                on_ready(daemon.url, daemon.admin_key)
+                on_ready(server.url, key)
             metrics = MetricsLog(out, backends=config.metrics, name=config.name)
-            job = Job(config, out, daemon, parts, view, metrics, train_tasks, demos, resumed, t_start)
+            job = Job(config, out, loop, parts, server, key, view, metrics, train_tasks, demos, resumed, t_start)
             job.mark("startup_s")
             try:
                 yield job
             finally:
                 metrics.close()
         finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest
-            await daemon.stop()
+            await loop.flush_weights()
+            await server.stop()
             await parts.close()
-            await daemon.store.close()
+            await loop.store.close()
     finally:
-        sock.close()
+        server.close_socket()

@@ -2,12 +2,12 @@
 
     open_job (run dir, socket, policy, store + proxy + engine + learner: app/job.py)
       ─▶ warm start (supervised, stopped on measured success through the proxy) ─▶ held-out eval (before)
-      ─▶ RL: in-process agent workers + the async training loop (TrainerDaemon.train_steps), paused for held-out
-         checks when a target gain is set ─▶ held-out eval (after) ─▶ model + summary.json
+      ─▶ RL: in-process agent workers + the training loop (app/loop.py ``run_rl``), paused for held-out checks
+         when a target gain is set ─▶ held-out eval (after) ─▶ model + summary.json
 
 Evaluations run the user's agent code through the proxy on held-out tasks with the sampling settings of
-``[eval]`` (greedy by default), written into ``summary.json``. A run directory that already holds a checkpoint is
-resumed (warm start and the first evaluation are not repeated).
+``[eval]`` (greedy by default: the proxy's rule for evaluation splits), written into ``summary.json``. A run
+directory that already holds a checkpoint is resumed (warm start and the first evaluation are not repeated).
 
 Stopping (``stop()`` turning true: the CLI's SIGINT/SIGTERM handler) is graceful and ordered: the warm start stops
 at its next supervised step or evaluation, an evaluation releases its in-flight attempts, the RL workers release
@@ -24,14 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_sdk.agent import WorkerPool, load_agent
+from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job, split_sampling
+from lightning_sdk.app.loop import StepReport, evaluate, never, run_rl
+from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.daemon import StepReport, TrainerDaemon
 from lightning_sdk.trainer.data import load_rows
-from lightning_sdk.trainer.phases import RunStopped, evaluate, never
 from lightning_sdk.trainer.stopping import GainTarget
-from lightning_sdk.trainer.view import ProgressView, plot_reward_curve
 
 __all__ = ["NO_EVAL", "run_training"]
 
@@ -51,7 +50,7 @@ async def run_training(
     agent = load_agent(config.resolve(config.agent))
     heldout = load_rows(config, config.data.heldout, "data.heldout")[: config.eval.n] if config.eval.enabled else []
     async with open_job(config, run_dir, view=view, max_attempts=agent.max_attempts) as job:
-        daemon, parts, metrics, view, out = job.daemon, job.parts, job.metrics, job.view, job.out
+        loop, parts, metrics, view, out = job.loop, job.parts, job.metrics, job.view, job.out
         note, t_start, timeline = view.note, job.t_start, job.timeline
         state_path = out / "state.json"
         state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -62,8 +61,7 @@ async def run_training(
 
         async def held_out(split: str, label: str) -> dict[str, Any]:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks ({label})")
-            result = await evaluate(daemon, agent, heldout, split, config.eval.workers, stop)
-            return result
+            return await evaluate(loop, agent, heldout, split, config.eval.workers, stop)
 
         if heldout and "eval_before" not in state:
             state["eval_before"] = await held_out("eval-before", "before")
@@ -89,52 +87,28 @@ async def run_training(
             metrics.write(row)
             view.step(report)
 
-        deadline = t_start + config.rl.max_wall_s if config.rl.max_wall_s else None
-        t_rl = time.perf_counter()
-        checks: list[dict[str, Any]] = []
-        pause = target.due if target is not None else never
-
-        def stop_or_pause() -> bool:
-            return stop() or pause()
-
-        while True:
-            await _rl_round(daemon, agent, config, on_step, deadline, stop_or_pause)
-            if stop():
-                raise RunStopped(daemon.step)
-            if target is None or not target.due():
-                break
-            await daemon.flush_weights()  # the check evaluates the newest weights
-            t_check = time.perf_counter()
-            result = await held_out(f"eval-check-{target.checks + 1}", f"target check at step {daemon.step}")
-            reached = target.reached(result["success_rate"])
-            checks.append(
-                {
-                    "step": daemon.step,
-                    "success_rate": result["success_rate"],
-                    "reached": reached,
-                    "elapsed_s": round(time.perf_counter() - t_start, 2),
-                    "wall_s": round(time.perf_counter() - t_check, 2),
-                }
-            )
-            note(
-                f"held-out check at step {daemon.step}: {100 * result['success_rate']:.1f}%"
-                f" ({'target reached' if reached else 'going on'})"
-            )
-            if reached:
-                state["eval_after"] = result
-                timeline["target_reached_s"] = checks[-1]["elapsed_s"]
-                break
-            if daemon.step >= config.rl.steps or (deadline is not None and time.perf_counter() >= deadline):
-                break
-            view.set_phase("RL")
-        await daemon.flush_weights()
-        rl_wall = time.perf_counter() - t_rl
-        busy = daemon.learner_busy_s
+        rl = await run_rl(
+            loop,
+            agent,
+            steps=config.rl.steps,
+            workers=config.rl.workers,
+            on_step=on_step,
+            held_out=held_out,
+            target=target,
+            deadline=t_start + config.rl.max_wall_s if config.rl.max_wall_s else None,
+            t_start=t_start,
+            note=note,
+            on_rl=lambda: view.set_phase("RL"),
+            stop=stop,
+        )
+        if rl.reached is not None:
+            state["eval_after"] = rl.reached
+            timeline["target_reached_s"] = rl.checks[-1]["elapsed_s"]
         state["rl"] = {
-            "steps": daemon.step,
-            "wall_s": round(rl_wall, 2),
-            "learner_busy_s": round(busy, 2),
-            "checks": checks,
+            "steps": loop.step,
+            "wall_s": round(rl.wall_s, 2),
+            "learner_busy_s": round(loop.learner_busy_s, 2),
+            "checks": rl.checks,
         }
         job.mark("rl_end_s")
 
@@ -153,14 +127,14 @@ async def run_training(
     summary: dict[str, Any] = {
         "eval_before": state.get("eval_before") or dict(NO_EVAL),
         "eval_after": state.get("eval_after") or dict(NO_EVAL),
-        "steps": daemon.step,
+        "steps": loop.step,
         "wall_s": round(time.perf_counter() - t_start, 2),
         "model_dir": str(model_out.resolve()),
         "eval_sampling": rules.override_for("eval-after"),
         "train_sampling": rules.override_for("train"),
         "warm_start": state.get("warm_start"),
         "rl": state.get("rl"),
-        "dropped_stale_groups": daemon.dropped_total,
+        "dropped_stale_groups": loop.dropped_total,
         "reward_curve": str(curve) if curve else None,
         "resumed": job.resumed,
         "timeline": timeline,
@@ -168,28 +142,6 @@ async def run_training(
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     view.set_phase("done")
     return summary
-
-
-async def _rl_round(
-    daemon: TrainerDaemon,
-    agent: Any,
-    config: TrainConfig,
-    on_step: Callable[[StepReport], None],
-    deadline: float | None,
-    stop: Callable[[], bool],
-) -> None:
-    """Run the in-process workers and train until ``rl.steps``, ``deadline`` or ``stop()``; the workers release
-    their in-flight attempts when it ends."""
-    pool = WorkerPool(agent, daemon.store, daemon.url, n_workers=config.rl.workers, split="train", poll_s=0.05)
-    stopping = False
-    pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
-    try:
-        await daemon.train_steps(config.rl.steps, deadline=deadline, on_step=on_step, stop=stop)
-    finally:
-        stopping = True
-        pool.stop(release=True)
-        await pool_task
-        await pool.close()
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -34,9 +34,9 @@ def daemon_command(
 ) -> None:
     """Run the trainer daemon: a proxy and a trainer that wait for agent workers."""
     from lightning_sdk.app import RunStopped, run_daemon
+    from lightning_sdk.app.view import ProgressView
     from lightning_sdk.trainer.config import load_train_config
     from lightning_sdk.trainer.stopping import GracefulStop
-    from lightning_sdk.trainer.view import ProgressView
 
     console = Console(stderr=True)
     overrides: dict[str, object] = {}

@@ -46,9 +46,9 @@ def train_command(
 ) -> None:
     """Train an agent with RL: warm start, evaluate, train asynchronously, evaluate again."""
     from lightning_sdk.app import RunStopped, run_training
+    from lightning_sdk.app.view import ProgressView
     from lightning_sdk.trainer.config import load_train_config
     from lightning_sdk.trainer.stopping import GracefulStop
-    from lightning_sdk.trainer.view import ProgressView
 
     console = Console(stderr=True)
     stop = GracefulStop(note=lambda message: console.print(message, markup=False))

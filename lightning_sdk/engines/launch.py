@@ -143,7 +143,7 @@ def launch_server(
             cmd,
             stdout=fh,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={**_inherited_env(), **(env or {})},
             start_new_session=True,
         )
     except OSError as exc:
@@ -191,6 +191,15 @@ def launch_sglang(
     return launch_server(
         cmd, port=port, host=host, health_path="/health", env=_gpu_env(gpus), log_path=log_path, timeout=timeout
     )
+
+
+def _inherited_env() -> dict[str, str]:
+    """This process's environment for an engine server, without the OpenMP wait policy the ``lightning-sdk``
+    command chose for its own threads (``cli.passive_openmp``): a server tunes its own threads."""
+    env = dict(os.environ)
+    if env.pop("LIGHTNING_SDK_SET_OMP_WAIT_POLICY", None) == "1":
+        env.pop("OMP_WAIT_POLICY", None)
+    return env
 
 
 def vllm_python() -> str:

@@ -127,13 +127,8 @@ class RemoteEngine:
         finally:
             self.router.inflight[idx] -= 1
 
-    def stream(
+    async def stream(
         self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
-    ) -> AsyncIterator[GenerationDelta]:
-        return self._stream(input_ids, sampling, session_id)
-
-    async def _stream(
-        self, input_ids: list[int], sampling: Sampling, session_id: str | None
     ) -> AsyncIterator[GenerationDelta]:
         idx = self.router.pick(session_id)
         sent: list[int] = []
@@ -301,13 +296,8 @@ class EnginePool:
             self.router.inflight[idx] -= 1
         return gen.model_copy(update={"meta": {**gen.meta, "engine_index": idx}})
 
-    def stream(
+    async def stream(
         self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
-    ) -> AsyncIterator[GenerationDelta]:
-        return self._stream(input_ids, sampling, session_id)
-
-    async def _stream(
-        self, input_ids: list[int], sampling: Sampling, session_id: str | None
     ) -> AsyncIterator[GenerationDelta]:
         idx = self.router.pick(session_id)
         self.router.inflight[idx] += 1

@@ -120,9 +120,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             try:
                 result: Response = await fn(request)
                 return result
-            except ProxyHTTPError as err:
-                return error_response(err)
-            except LightningSDKError as exc:
+            except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
                 return error_response(from_sdk_error(exc))
 
         return wrapped

@@ -88,6 +88,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._cancel_timer()
         if not self.complete:
             if self.got_bytes:
                 self._fail(Http1ProtocolError(f"connection closed mid-reply ({exc or 'EOF'})"))
@@ -125,6 +126,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def _check_timeout(self) -> None:
+        """The read-timeout timer: fail a request whose reply has been silent for ``read_timeout``, or run again
+        when it could be. One timer per connection, kept across its requests (not a timer per request)."""
         self.timer = None
         if self.waiter is None or self.waiter.done() or self.closed:
             return
@@ -168,6 +171,12 @@ class _Conn(asyncio.Protocol):
         return data
 
     def done(self) -> None:
+        """The request is over. The read-timeout timer of a kept-alive connection runs on (it checks whether a
+        request is waiting when it fires); a closed connection's is cancelled."""
+        if self.closed:
+            self._cancel_timer()
+
+    def _cancel_timer(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -217,8 +226,8 @@ class Http1Response:
         """Drop the connection (the server sees the client go away and can stop working)."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            conn.done()
             conn.closed = True
+            conn.done()
             if conn.transport is not None:
                 conn.transport.close()
 

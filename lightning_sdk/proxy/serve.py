@@ -14,24 +14,87 @@ __all__ = ["header_timeout_protocol", "serve", "uvicorn_config"]
 logger = logging.getLogger(__name__)
 
 
+class _CorkedWrites:
+    """The transport a response cycle writes to: its first write (uvicorn writes the status line and headers on
+    their own) is held and goes out together with the next one (the body) in one ``writelines``: one send per
+    response instead of two (a loopback send costs the sender the receiver's TCP work too). What is held is
+    written at the latest at the end of the loop iteration (a streamed response whose first chunk takes long still
+    gets its headers at once), and before anything else reaches the socket.
+    """
+
+    __slots__ = ("_held", "_loop", "_transport", "armed")
+
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+        self.armed = False  # hold the next write (set when a request's cycle starts)
+
+    def write(self, data: bytes) -> None:
+        if self.armed:
+            self.armed = False
+            self.flush()
+            self._held = data
+            self._loop.call_soon(self.flush)
+            return
+        held = self._held
+        if held is None:
+            self._transport.write(data)
+        else:
+            self._held = None
+            self._transport.writelines((held, data))
+
+    def flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def is_closing(self) -> bool:
+        return bool(self._transport.is_closing())
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 def header_timeout_protocol(timeout_s: float) -> type[Any]:
-    """uvicorn's httptools protocol with a read timeout for incomplete requests.
+    """uvicorn's httptools protocol with a read timeout for incomplete requests, and one write per response.
 
     uvicorn waits forever for a request that never completes (a client that opens a connection, or starts a
     request, and then says nothing). This protocol answers 408 and closes the connection when an incomplete
-    request (headers or body) has been silent for ``timeout_s``: the timer runs from the connection's opening or the
-    request's first byte, restarts on every byte received, and stops once the request is complete. It costs a timer
-    per read, not per ASGI ``receive``; the app keeps its own check between body chunks
-    (``ProxyConfig.read_timeout_s``) for servers that do not use this protocol.
+    request (headers or body) has been silent for ``timeout_s``: the silence counts from the connection's opening
+    or the request's last byte received, while the request is incomplete. One timer per connection looks at it
+    every ``timeout_s`` at most (no timer armed and cancelled per request or per read); the app keeps its own check
+    between body chunks (``ProxyConfig.read_timeout_s``) for servers that do not use this protocol. Each request's
+    response goes out with its headers and (first) body in one write (``_CorkedWrites``).
     """
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _corked: _CorkedWrites | None = None
+        _reading = True  # between the connection's opening or a request's first byte and the request's end
+        _last_byte = 0.0  # loop time of the last bytes received
 
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = asyncio.get_running_loop().call_later(timeout_s, self._headers_too_slow)
+        def _tick(self) -> None:
+            """One timer per connection, run every ``timeout_s`` at most (not armed and cancelled per request):
+            408 for a request silent that long, otherwise look again when it could be."""
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            delay = timeout_s
+            if self._reading:
+                silent = self.loop.time() - self._last_byte
+                if silent >= timeout_s:
+                    self._headers_too_slow()
+                    return
+                delay = timeout_s - silent
+            self._header_timer = self.loop.call_later(delay, self._tick)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -39,14 +102,13 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
                 self._header_timer = None
 
         def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if self.transport.is_closing():
-                return
             logger.debug("closing a connection whose request was incomplete and silent for %.1fs", timeout_s)
             cycle = getattr(self, "cycle", None)
             if cycle is not None and getattr(cycle, "response_started", False):  # answered already (e.g. 413)
                 self.transport.close()
                 return
+            if self._corked is not None:
+                self._corked.flush()
             body = b'{"error":{"message":"incomplete request","type":"timeout_error","param":null,"code":null}}'
             head = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
             self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
@@ -54,20 +116,27 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm()
+            self._corked = _CorkedWrites(transport, self.loop)
+            self._last_byte = self.loop.time()
+            self._header_timer = self.loop.call_later(timeout_s, self._tick)
 
         def on_message_begin(self) -> None:
-            self._arm()
+            self._reading = True
             super().on_message_begin()
 
         def data_received(self, data: bytes) -> None:
-            if self._header_timer is not None:  # still reading a request: restart the silence timer
-                self._disarm()
-                self._arm()
+            self._last_byte = self.loop.time()
             super().data_received(data)
 
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.transport is self.transport and self._corked is not None:
+                self._corked.armed = True
+                cycle.transport = self._corked  # type: ignore[assignment]  # a Transport in all it uses
+
         def on_message_complete(self) -> None:
-            self._disarm()
+            self._reading = False
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lightning_sdk.engines.base import Engine, Generation, Sampling
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
 from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
@@ -201,6 +201,26 @@ def _openai_finish(engine_reason: str, has_tool_calls: bool) -> str:
     return "tool_calls" if has_tool_calls else "stop"
 
 
+class _Received:
+    """What an engine stream delivered so far: the ids, their log-probs, why it stopped, the version that served it."""
+
+    __slots__ = ("finish", "ids", "logprobs", "version")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish: str = "stop"
+        self.version: int | None = None
+
+    def add(self, piece: GenerationDelta) -> None:
+        self.ids += piece.ids
+        self.logprobs += piece.logprobs
+        if piece.finish_reason is not None:
+            self.finish = piece.finish_reason
+        if piece.policy_version is not None:
+            self.version = piece.policy_version
+
+
 class TokenModeBackend:
     """A ``PolicyBackend`` over a token-in/token-out ``Engine`` (see the module docstring).
 
@@ -288,6 +308,17 @@ class TokenModeBackend:
             return await self.engine.generate(ids, sampling, session_id=ctx.attempt.attempt_id)
         except EngineError as exc:
             raise UpstreamError(f"engine failed: {exc}") from exc
+
+    async def _engine_stream(
+        self, ids: list[int], sampling: Sampling, ctx: CallContext, got: _Received
+    ) -> AsyncIterator[GenerationDelta]:
+        """``engine.stream``, each piece added to ``got``; an engine failure is an ``UpstreamError``."""
+        try:
+            async for piece in self.engine.stream(ids, sampling, session_id=ctx.attempt.attempt_id):
+                got.add(piece)
+                yield piece
+        except EngineError as exc:
+            raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
 
     # -- responses ---------------------------------------------------------------------------------------------------
     def _logprob_entries(self, ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
@@ -395,30 +426,19 @@ class TokenModeBackend:
         yield chunk({"role": "assistant", "content": ""})
         for delta in opening:
             yield chunk(delta)
-        ids: list[int] = []
-        lps: list[float] = []
-        engine_finish = "stop"
-        version: int | None = None
-        try:
-            async for piece in self.engine.stream(prompt.prompt_ids, sampling, session_id=ctx.attempt.attempt_id):
-                ids += piece.ids
-                lps += piece.logprobs
-                if piece.finish_reason is not None:
-                    engine_finish = piece.finish_reason
-                if piece.policy_version is not None:
-                    version = piece.policy_version
-                lp_entries = self._logprob_entries(piece.ids, piece.logprobs) if want_lps else None
-                deltas = stream_parser.feed(piece.ids)
-                if not deltas and lp_entries:
-                    yield chunk({}, lps=lp_entries)
-                for i, delta in enumerate(deltas):
-                    yield chunk(delta, lps=lp_entries if i == 0 else None)
-        except EngineError as exc:
-            raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
+        got = _Received()
+        async for piece in self._engine_stream(prompt.prompt_ids, sampling, ctx, got):
+            lp_entries = self._logprob_entries(piece.ids, piece.logprobs) if want_lps else None
+            deltas = stream_parser.feed(piece.ids)
+            if not deltas and lp_entries:
+                yield chunk({}, lps=lp_entries)
+            for i, delta in enumerate(deltas):
+                yield chunk(delta, lps=lp_entries if i == 0 else None)
+        ids, lps = got.ids, got.logprobs
         for delta in stream_parser.finish():
             yield chunk(delta)
         message = stream_parser.message or {"role": "assistant", "content": ""}
-        finish = _openai_finish(engine_finish, bool(message.get("tool_calls")))
+        finish = _openai_finish(got.finish, bool(message.get("tool_calls")))
         yield chunk({}, finish)
         usage = _usage(len(prompt.prompt_ids), len(ids))
         if (body.get("stream_options") or {}).get("include_usage"):
@@ -431,7 +451,7 @@ class TokenModeBackend:
                 "usage": usage,
             }
         response = self._chat_response(body, rid, created, message, finish, prompt, ids, lps)
-        yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
+        yield self._result(response, prompt, ids, lps, finish, got.finish, got.version, ctx)
 
     def _completion_prompt(self, body: dict[str, Any]) -> RenderedPrompt:
         raw = body.get("prompt")
@@ -490,31 +510,22 @@ class TokenModeBackend:
         prompt = self._completion_prompt(body)
         sampling = self._sampling(body, len(prompt.prompt_ids), ctx)
         rid, created, model = _completion_id(), int(time.time()), body["model"]
-        ids: list[int] = []
-        lps: list[float] = []
         sent = ""
-        engine_finish = "stop"
-        version: int | None = None
-        try:
-            async for piece in self.engine.stream(prompt.prompt_ids, sampling, session_id=ctx.attempt.attempt_id):
-                ids += piece.ids
-                lps += piece.logprobs
-                engine_finish = piece.finish_reason or engine_finish
-                version = piece.policy_version if piece.policy_version is not None else version
-                text = self.renderer.decode(ids).rstrip("\ufffd")
-                if len(text) > len(sent) and text.startswith(sent) and piece.finish_reason is None:
-                    yield {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [{"index": 0, "text": text[len(sent) :], "finish_reason": None, "logprobs": None}],
-                    }
-                    sent = text
-        except EngineError as exc:
-            raise UpstreamError(f"engine failed mid-stream: {exc}") from exc
+        got = _Received()
+        async for piece in self._engine_stream(prompt.prompt_ids, sampling, ctx, got):
+            text = self.renderer.decode(got.ids).rstrip("\ufffd")
+            if len(text) > len(sent) and text.startswith(sent) and piece.finish_reason is None:
+                yield {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "text": text[len(sent) :], "finish_reason": None, "logprobs": None}],
+                }
+                sent = text
+        ids, lps = got.ids, got.logprobs
         final = self._completion_text(ids)
-        finish = _openai_finish(engine_finish, False)
+        finish = _openai_finish(got.finish, False)
         tail = final[len(sent) :] if final.startswith(sent) else ""
         yield {
             "id": rid,
@@ -524,7 +535,7 @@ class TokenModeBackend:
             "choices": [{"index": 0, "text": tail, "finish_reason": finish, "logprobs": None}],
         }
         response = self._completion_response(body, rid, created, final, finish, prompt, ids, lps)
-        yield self._result(response, prompt, ids, lps, finish, engine_finish, version, ctx)
+        yield self._result(response, prompt, ids, lps, finish, got.finish, got.version, ctx)
 
     async def models(self) -> list[str]:
         return [self.config.model_name]

@@ -26,7 +26,7 @@ GET    /rollouts?status=&limit=&after=  -                                     Ro
 GET    /rollouts/{rollout_id}           -                                     RolloutDetailBody
 GET    /rollout-details?limit=&after=   -                                     RolloutDetailPageBody
 POST   /rollouts/{rollout_id}/cancel    -                                     RolloutBody
-GET    /group-details?split=&limit=&after= -                                  GroupDetailPageBody
+GET    /group-details?split&limit&after -                                     GroupDetailPageBody
 GET    /counts                          -                                     CountsBody
 GET    /groups/finished?limit=&split=   -                                     FinishedGroupsBody
 POST   /groups/consume                  ConsumeRequest                        ConsumeBody

@@ -185,8 +185,8 @@ class EngineConfig(_Section):
     threads: int | None = Field(
         None,
         ge=1,
-        description="embedded: torch intra-op threads of the engine's thread (default: half the CPU cores, at least 1, "
-        "as the learner computes at the same time)",
+        description="embedded: torch intra-op threads of the engine's thread (torch keeps them per thread; default: "
+        "the process's, all cores)",
     )
 
     @model_validator(mode="after")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,8 +66,8 @@ class LearnerConfig(BaseModel):
     threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads of the thread a step runs in (default: half the CPU cores, at least 1, as "
-        "the embedded engine generates at the same time)",
+        description="torch intra-op threads of the thread a step runs in (torch keeps them per thread; default: "
+        "the process's, all cores)",
     )
     share_prefix: int = Field(
         32,
@@ -102,14 +101,6 @@ class TrainBatch:
         for name in ("attention_mask", "loss_mask", "logprobs", "advantages"):
             if getattr(self, name).shape != shape:
                 raise TrainerError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}")
-
-
-def half_the_cores() -> int:
-    """Torch intra-op threads for each of two compute threads that run at once (the learner's step and the embedded
-    engine during RL). Two threads that each ask for every core oversubscribe them, and OpenMP workers spin at their
-    barriers while the other thread holds the core: on this 2-core machine at load 8-11 the engine made 62 generated
-    tokens/s with 2 threads against 513 with 1 (benchmarks/engine_throughput.py)."""
-    return max(1, (os.cpu_count() or 2) // 2)
 
 
 def train_batch(records: Sequence[Record], *, pad_id: int = 0) -> TrainBatch:
@@ -226,7 +217,8 @@ class Learner:
         cfg = self.config
         if float(batch.loss_mask[:, 1:].sum().item()) == 0:
             raise TrainerError("the batch has no trained tokens")
-        torch.set_num_threads(cfg.threads or half_the_cores())  # per thread in torch: the calling thread's
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)  # per thread in torch: the calling thread's
         self.model.train()
         # pi_old: the policy at the start of the step. With one update it is the update's own forward pass
         # (detached); with several it is computed once up front, so later updates have a ratio to clip.

@@ -1,5 +1,5 @@
-"""A real tracing stack for agent tests: the mock OpenAI upstream (uvicorn on loopback) behind the real proxy app
-(``create_app`` with the passthrough backend, uvicorn on loopback) over a real SQLite store file.
+"""A real tracing stack for agent tests: the mock OpenAI upstream (uvicorn on loopback) behind the real proxy
+(the one test harness, ``tests/support/proxy.py``, passthrough backend) over a real SQLite store file.
 
 ``proxy_stack`` serves the proxy on the test's own event loop (so a ``WorkerPool`` can share the ``SQLiteStore``
 object, as ``lightning-sdk train`` does in process); ``threaded_proxy_stack`` serves it from a background thread
@@ -11,39 +11,36 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from lightning_sdk.proxy.app import create_app
-from lightning_sdk.proxy.passthrough import PassthroughBackend
-from lightning_sdk.store import SQLiteStore
+from lightning_sdk.store import Clock, SQLiteStore, Store
 from lightning_sdk.types import RolloutDetail
 from tests.support.mock_openai import EOS_ID, MockOpenAI, encode, logprob_of
-from tests.support.servers import RunningServer, run_server, serve_async
+from tests.support.proxy import ADMIN_KEY, run_proxy, serve_proxy
+from tests.support.servers import RunningServer, run_server
 
-ADMIN_KEY = "agent-tests-admin-key"
+__all__ = ["ADMIN_KEY", "Stack", "assert_calls_traced", "proxy_stack", "threaded_proxy_stack"]
 
 
 @dataclass
 class Stack:
-    store: SQLiteStore
+    store: Store
     url: str  # the proxy root (no /v1)
     mock: MockOpenAI
     server: RunningServer
     admin_key: str = ADMIN_KEY
 
 
-def _app(store: SQLiteStore, upstream_url: str) -> Any:
-    return create_app(store, policy_backend=PassthroughBackend(f"{upstream_url}/v1"), admin_key=ADMIN_KEY)
-
-
 @contextlib.asynccontextmanager
-async def proxy_stack(tmp_path: Path, mock: MockOpenAI | None = None) -> AsyncIterator[Stack]:
+async def proxy_stack(
+    tmp_path: Path, mock: MockOpenAI | None = None, *, clock: Clock | None = None
+) -> AsyncIterator[Stack]:
+    """``clock``: the store's clock (a ``ManualClock`` drives leases and heartbeats)."""
     mock = mock or MockOpenAI()
-    store = SQLiteStore(tmp_path / "store.db")
+    store = SQLiteStore(tmp_path / "store.db", clock=clock) if clock is not None else SQLiteStore(tmp_path / "store.db")
     try:
         with run_server(mock.app) as upstream:
-            async with serve_async(_app(store, upstream.url)) as srv:
-                yield Stack(store, srv.url, mock, srv)
+            async with serve_proxy(f"{upstream.url}/v1", store=store) as px:
+                yield Stack(px.store, px.url, mock, px.server)
     finally:
         await store.close()
 
@@ -51,12 +48,8 @@ async def proxy_stack(tmp_path: Path, mock: MockOpenAI | None = None) -> AsyncIt
 @contextlib.contextmanager
 def threaded_proxy_stack(tmp_path: Path, mock: MockOpenAI | None = None) -> Iterator[Stack]:
     mock = mock or MockOpenAI()
-    store = SQLiteStore(tmp_path / "store.db")
-    with run_server(mock.app) as upstream, run_server(_app(store, upstream.url)) as srv:
-        try:
-            yield Stack(store, srv.url, mock, srv)
-        finally:
-            srv.call(store.close())
+    with run_server(mock.app) as upstream, run_proxy(f"{upstream.url}/v1", store_path=tmp_path / "store.db") as px:
+        yield Stack(px.store, px.url, mock, px.server)
 
 
 def assert_calls_traced(detail: RolloutDetail, min_calls: int = 1) -> None:

@@ -31,8 +31,9 @@ def agent(task, llm):
 
 @la.rollout
 def slow(task, llm):
-    import time
-    time.sleep(1.0)
+    import os, time
+    while not os.path.exists(task["gate"]):  # in flight until the test opens the gate (after its signal)
+        time.sleep(0.01)
     llm.openai_client().chat.completions.create(model=llm.model, messages=[{"role": "user", "content": "hi"}])
     return 1.0
 """
@@ -77,8 +78,9 @@ def test_run_tasks_mode_enqueues_runs_and_summarises(tmp_path: Path) -> None:
 
 def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
     (tmp_path / "my_agent.py").write_text(AGENT)
+    gate = tmp_path / "gate"
     with threaded_proxy_stack(tmp_path) as st:
-        st.server.call(st.store.enqueue([{"q": str(i)} for i in range(6)]))
+        st.server.call(st.store.enqueue([{"q": str(i), "gate": str(gate)} for i in range(6)]))
         proc = subprocess.Popen(
             [*CLI, "run", f"{tmp_path / 'my_agent.py'}:slow", "--server", st.url,
              "--workers", "2", "--admin-key", ADMIN_KEY, "--no-progress"],
@@ -90,6 +92,7 @@ def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
                 time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
+            gate.touch()  # the two claimed attempts finish only now, after the signal
             _, err = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:

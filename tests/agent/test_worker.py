@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 from pathlib import Path
 
 import lightning_sdk.agent as la
+from lightning_sdk.store import ManualClock, Store
 from lightning_sdk.types import AttemptStatus, RolloutStatus
 from tests.agent.stack import assert_calls_traced, proxy_stack
+from tests.support.waiting import until_async
 
 
 @la.rollout
@@ -85,10 +86,11 @@ async def test_crash_is_retried_up_to_max_attempts_with_the_traceback(tmp_path: 
 
 async def test_timeout_fails_the_attempt_and_its_token_stops_working(tmp_path: Path) -> None:
     late: list[str] = []
+    timed_out = threading.Event()
 
     @la.rollout(timeout=0.5)
     def slow(task: dict[str, str], llm: la.LLM) -> float:
-        time.sleep(1.0)
+        timed_out.wait(60)  # still running when the timeout fails the attempt: the test lets it go on after
         try:
             llm.openai_client(max_retries=0).chat.completions.create(
                 model=llm.model, messages=[{"role": "user", "content": "too late"}]
@@ -102,36 +104,52 @@ async def test_timeout_fails_the_attempt_and_its_token_stops_working(tmp_path: P
         summary = await la.run_tasks(slow, st.store, st.url, [{"q": "x"}], n_workers=1)
         assert summary.rollouts[0].status == "failed"
         assert "timed out after 0.5 s" in (summary.rollouts[0].error or "")
-        for _ in range(100):
-            if late:
-                break
-            await asyncio.sleep(0.05)
+        timed_out.set()
+        await until_async(lambda: bool(late), what="the late call's answer")
         assert late == ["ConflictError"]  # HTTP 409: the attempt is no longer running
         detail = await st.store.get_rollout(summary.rollouts[0].rollout_id)
         assert detail.attempts[0].calls == []
 
 
 async def test_heartbeats_keep_a_short_lease_alive(tmp_path: Path) -> None:
+    """The store's clock moves 1.2 s (three 0.4 s leases) while the attempt runs, in steps shorter than the lease,
+    each after a heartbeat extended it: the lease never expires and the attempt succeeds. Only the test moves the
+    clock, so the machine's speed does not matter."""
+    clock = ManualClock()
+    finish = asyncio.Event()
+
     @la.rollout
     async def long(task: dict[str, str], llm: la.LLM) -> float:
-        await asyncio.sleep(1.2)
+        await finish.wait()
         return 1.0
 
-    async with proxy_stack(tmp_path) as st:
-        stop = asyncio.Event()
-
-        async def reaper() -> list[str]:
-            expired: list[str] = []
-            while not stop.is_set():
-                expired += [a.attempt_id for a in await st.store.expire_leases()]
-                await asyncio.sleep(0.05)
-            return expired
-
-        reaping = asyncio.create_task(reaper())
-        summary = await la.run_tasks(long, st.store, st.url, [{"q": "1"}], lease_s=0.4, heartbeat_s=0.1)
-        stop.set()
-        assert await reaping == []
+    async with proxy_stack(tmp_path, clock=clock) as st:
+        run = asyncio.create_task(la.run_tasks(long, st.store, st.url, [{"q": "1"}], lease_s=0.4, heartbeat_s=0.01))
+        attempt_id = await asyncio.wait_for(_running_attempt(st.store), 60)
+        started = clock()
+        for _ in range(4):
+            clock.advance(0.3)  # within the lease the last heartbeat gave
+            assert await st.store.expire_leases() == []
+            await asyncio.wait_for(_extended(st.store, attempt_id, clock() + 0.4), 60)  # a heartbeat since
+        assert clock() - started > 2.5 * 0.4  # 1.2 s of store time: three leases, none expired
+        finish.set()
+        summary = await asyncio.wait_for(run, 60)
         assert summary.succeeded == 1
+
+
+async def _running_attempt(store: Store) -> str:
+    """The id of the first attempt that runs (waits for a worker to claim it)."""
+    while True:
+        page, _ = await store.list_rollouts(status=RolloutStatus.RUNNING)
+        if page:
+            return (await store.get_rollout(page[0].rollout_id)).attempts[0].attempt.attempt_id
+        await asyncio.sleep(0.005)
+
+
+async def _extended(store: Store, attempt_id: str, until: float) -> None:
+    """Wait until a heartbeat extended the attempt's lease to ``until`` (store time)."""
+    while ((await store.get_attempt(attempt_id)).lease_expires_at or 0.0) < until - 1e-6:
+        await asyncio.sleep(0.005)
 
 
 async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> None:

@@ -17,14 +17,15 @@ import httpx
 import openai
 import pytest
 
-from lightning_sdk.proxy import ProxyConfig, create_app
+from lightning_sdk.proxy import ProxyConfig
 from lightning_sdk.proxy.app import ABORTED
 from lightning_sdk.proxy.passthrough import PassthroughBackend
 from lightning_sdk.store import MemoryStore, SQLiteStore
 from lightning_sdk.types import AttemptStatus
 from tests.support.mock_openai import MockOpenAI
-from tests.support.proxy import ADMIN_KEY, ProxyHandle
+from tests.support.proxy import ADMIN_KEY, ProxyHandle, proxy_app
 from tests.support.servers import RunningServer, serve_async
+from tests.support.waiting import until_async
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -63,7 +64,7 @@ async def test_first_call_and_finish_race_never_records_after_finish(tmp_path: P
     outcomes = {200: 0, 409: 0}
     async with serve_async(mock.app) as upstream:
         backend = PassthroughBackend(upstream.url + "/v1", backoff_s=0.01)
-        app = create_app(store, policy_backend=backend, admin_key=ADMIN_KEY)
+        app = proxy_app(store, policy_backend=backend)
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             results = [await _race_once(http, rng) for _ in range(200)]
             for status, fin, rollout_id in results:
@@ -92,7 +93,7 @@ async def test_finish_waits_for_a_long_call_then_aborts_it_and_says_so(tmp_path:
     async with serve_async(mock.app) as upstream:
         backend = PassthroughBackend(upstream.url + "/v1")
         config = ProxyConfig(finish_timeout_s=0.5)
-        app = create_app(store, policy_backend=backend, admin_key=ADMIN_KEY, config=config)
+        app = proxy_app(store, policy_backend=backend, config=config)
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
             call = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"])))
@@ -121,7 +122,7 @@ async def test_finish_waits_for_a_call_that_ends_within_the_timeout(tmp_path: Pa
     mock = MockOpenAI(delay_s=0.6)
     store = SQLiteStore(tmp_path / "wait.db")
     async with serve_async(mock.app) as upstream:
-        app = create_app(store, policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key=ADMIN_KEY)
+        app = proxy_app(store, upstream.url + "/v1")
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
             call = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"])))
@@ -162,7 +163,7 @@ async def test_more_than_5000_running_attempts_keep_in_flight_state_and_unique_s
     store = MemoryStore()
     n, k = 5100, 40
     async with serve_async(upstream_app) as upstream:
-        app = create_app(store, policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key=ADMIN_KEY)
+        app = proxy_app(store, upstream.url + "/v1")
         proxy = app.state.proxy
         claims = [await store.open_session({"i": i}) for i in range(n)]
         tokens = [c.attempt.token for c in claims]
@@ -190,17 +191,21 @@ async def test_more_than_5000_running_attempts_keep_in_flight_state_and_unique_s
                 second = [asyncio.create_task(call(t)) for t in tokens[:k]]
                 while upstream_app.held < 2 * k:
                     await asyncio.sleep(0.01)
+                # the finishes get connections of their own (the calls hold all of ``http``'s)
+                finisher = httpx.AsyncClient(base_url=srv.url, timeout=120)
                 fins = [
                     asyncio.create_task(
-                        http.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=_auth(t))
+                        finisher.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=_auth(t))
                     )
                     for t in tokens[:k]
                 ]
-                await asyncio.sleep(0.2)
-                assert not any(f.done() for f in fins)  # finish waits for the calls in flight
+                states = [proxy.attempts.state_of(c.attempt.attempt_id) for c in claims[:k]]
+                await until_async(lambda: all(st is not None and st.closing for st in states), what="finishing")
+                assert not any(f.done() for f in fins)  # every finish began and waits for the calls in flight
                 upstream_app.gate.set()
                 assert all(s == 200 for s in await asyncio.gather(*held, *second))
                 assert [(await f).json()["calls"] for f in fins] == [2] * k
+                await finisher.aclose()
     for claim in claims[:k]:
         (attempt,) = (await store.get_rollout(claim.rollout.rollout_id)).attempts
         assert sorted(c.seq for c in attempt.calls) == [0, 1]
@@ -250,7 +255,7 @@ async def test_a_call_that_could_not_be_recorded_never_lets_the_attempt_succeed_
     mock = MockOpenAI()
     store = _RefusingStore()
     async with serve_async(mock.app) as upstream:
-        app = create_app(store, policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key=ADMIN_KEY)
+        app = proxy_app(store, upstream.url + "/v1")
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
             r = await http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"]))

@@ -188,15 +188,12 @@ def test_incomplete_requests_are_closed_by_the_serving_protocol(upstream: Runnin
     """The proxy's uvicorn protocol (``serve.header_timeout_protocol``) answers 408 and closes a connection whose
     request (headers or body) stays incomplete and silent (a silent new connection too); complete requests and idle
     keep-alive connections are unaffected."""
-    from lightning_sdk.proxy import create_app
-    from lightning_sdk.proxy.passthrough import PassthroughBackend
     from lightning_sdk.proxy.serve import header_timeout_protocol
     from lightning_sdk.store import SQLiteStore
+    from tests.support.proxy import proxy_app
     from tests.support.servers import run_server
 
-    app = create_app(
-        SQLiteStore(tmp_path / "h.db"), policy_backend=PassthroughBackend(upstream.url + "/v1"), admin_key="k"
-    )
+    app = proxy_app(SQLiteStore(tmp_path / "h.db"), upstream.url + "/v1")
     with run_server(app, http=header_timeout_protocol(0.5)) as srv:
         partial_body = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"
         for sent in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le", b"", partial_body):
@@ -213,3 +210,75 @@ def test_incomplete_requests_are_closed_by_the_serving_protocol(upstream: Runnin
             assert client.get("/lightning/v1/health").status_code == 200
             time.sleep(0.7)
             assert client.get("/lightning/v1/health").status_code == 200
+
+
+def test_serving_protocol_sends_each_response_in_one_write_and_never_holds_headers_back() -> None:
+    """The proxy's uvicorn protocol writes a response's status line and headers together with its body (one write
+    reaches the socket per response: counted on the server's real transport), and headers of a response whose body
+    comes later still go out at once (a stream's first chunk may take long)."""
+    import asyncio
+    from typing import Any
+
+    from lightning_sdk.proxy.serve import header_timeout_protocol
+    from tests.support.servers import run_server
+
+    writes: list[bytes] = []
+
+    class Counting:
+        """The server's transport, counting what reaches it (everything else goes to the real one)."""
+
+        def __init__(self, transport: Any) -> None:
+            self._t = transport
+
+        def write(self, data: bytes) -> None:
+            writes.append(bytes(data))
+            self._t.write(data)
+
+        def writelines(self, parts: Any) -> None:
+            writes.append(b"".join(parts))
+            self._t.writelines(parts)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._t, name)
+
+    base = header_timeout_protocol(5.0)
+
+    class Protocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(Counting(transport))
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await receive()
+        if scope["path"] == "/slow":  # headers now, the body 0.5 s later
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+            await asyncio.sleep(0.5)
+            await send({"type": "http.response.body", "body": b"late"})
+            return
+        body = b'{"n": "%s"}' % scope["path"].encode()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    with run_server(app, http=Protocol) as srv:
+        with httpx.Client(base_url=srv.url) as client:  # one keep-alive connection
+            for i in range(5):
+                r = client.get(f"/r{i}")
+                assert r.status_code == 200 and r.json() == {"n": f"/r{i}"}
+        assert len(writes) == 5
+        assert all(w.startswith(b"HTTP/1.1 200 OK\r\n") and w.endswith(b'"}') for w in writes)
+        with socket.create_connection((srv.host, srv.port)) as sock:
+            sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(5.0)
+            t0 = time.monotonic()
+            head = sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200 OK") and time.monotonic() - t0 < 0.4
+            rest = head
+            while not rest.endswith(b"late"):
+                rest += sock.recv(4096)
+            assert time.monotonic() - t0 >= 0.4

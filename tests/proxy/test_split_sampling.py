@@ -22,13 +22,13 @@ from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.engines.sglang import SGLangEngine
 from lightning_sdk.engines.vllm import VLLMEngine
 from lightning_sdk.errors import ConfigError
-from lightning_sdk.proxy import create_app
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
 from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.tokens import ChatRenderer
 from tests.engines.test_sglang import FakeSGLang
 from tests.engines.test_vllm import FakeVLLM
+from tests.support.proxy import proxy_app
 from tests.support.servers import serve_async
 from tests.support.tokenizers import load_tokenizer
 from tests.trainer.tiny import build_small_policy
@@ -76,7 +76,7 @@ async def _train_and_eval_at_once(engine: Engine, renderer: ChatRenderer, db: Pa
     store = SQLiteStore(db)
     seen = Seen(engine)
     backend = TokenModeBackend(seen, renderer, config=TokenModeConfig(sampling=RULES))  # type: ignore[arg-type]
-    app = create_app(store, policy_backend=backend, admin_key="admin")
+    app = proxy_app(store, policy_backend=backend)
     await store.enqueue([{"q": "train"}], n=1, split="train", group_ids=["g-train"])
     await store.enqueue([{"q": "eval"}], n=1, split="eval-before", group_ids=["g-eval"])
     train = await store.claim("w", split="train")

@@ -19,8 +19,7 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 from lightning_sdk.store import ManualClock, MemoryStore, Store
-
-ADMIN_KEY = "test-admin-key"
+from tests.support.proxy import ADMIN_KEY  # the one test key (tests/support/proxy.py)
 
 
 def free_socket() -> socket.socket:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError, StoreError, StoreUnavailableError
 from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, open_store, reap_leases, run_sync
 from lightning_sdk.types import AttemptStatus, RolloutDetail
+from tests.support.waiting import until_async
 
 from .conftest import ADMIN_KEY, ServerThread, free_socket
 
@@ -122,16 +124,23 @@ async def test_4xx_is_not_retried_and_5xx_is() -> None:
         server.stop()
 
 
-async def test_client_waits_for_a_server_that_comes_up_late(tmp_path: Path) -> None:
+async def test_client_waits_for_a_server_that_comes_up_late(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The client retries a refused connection until the server listens: the server starts only after the client
+    was refused twice (its retry log), whatever the machine's speed."""
     sock = free_socket()  # bound, not listening yet: connections are refused
     backing = SQLiteStore(tmp_path / "late.db")
     client = HTTPStore(f"http://127.0.0.1:{sock.getsockname()[1]}/lightning/v1/store", ADMIN_KEY, retries=8,
                        backoff_s=0.05)  # fmt: skip
     server = ServerThread(backing, sock)
+    caplog.set_level(logging.INFO, logger="lightning_sdk._retry")
+
+    def refused() -> int:
+        return sum("store POST /enqueue" in r.getMessage() and "retry" in r.getMessage() for r in caplog.records)
+
     try:
         pending = asyncio.create_task(client.enqueue([{"q": "late"}], group_ids=["g-late"]))
-        await asyncio.sleep(0.4)
-        assert not pending.done()
+        await until_async(lambda: refused() >= 2 or pending.done(), what="two refused tries")
+        assert not pending.done()  # still waiting for the server, not failed
         server.start()
         (group,) = await asyncio.wait_for(pending, timeout=20)
         assert group.group_id == "g-late"

@@ -1,4 +1,6 @@
-"""Run the real tracing proxy on loopback in front of an upstream, for tests of anything that talks to it.
+"""The one loopback proxy harness: the real tracing proxy (``create_app``) on a free 127.0.0.1 port in front of an
+upstream or a policy backend, over a real store, with the one test ``ADMIN_KEY``. Every test that needs a proxy uses
+it (proxy, surfaces, tokens, agent, trainer tests).
 
 ::
 
@@ -12,13 +14,23 @@
         px.call(px.store.get_rollout(...))             # or read the store directly, on the proxy's loop
 
 ``run_proxy`` takes an upstream URL (a ``PassthroughBackend`` with fast test retries is built) or any
-``policy_backend``; the store is a ``SQLiteStore`` at ``store_path``, or ``MemoryStore`` when no path is given.
+``policy_backend``; the store is ``store``, else a ``SQLiteStore`` at ``store_path`` (closed on exit), else a
+``MemoryStore``. It serves from a background thread (sync tests, the sync ``openai`` client, CLIs in
+subprocesses). ``serve_proxy`` is the same on the test's own event loop (async tests that share the store object
+with in-process workers, as ``lightning-sdk train`` does)::
+
+    async with serve_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db") as px:
+        client = openai.AsyncOpenAI(base_url=px.url + "/v1", api_key=token)
+        await px.drain()
+
+``proxy_app`` builds the app alone (the admin key is ``ADMIN_KEY``), for tests that serve it themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,13 +38,45 @@ import httpx
 
 from lightning_sdk.proxy import PassthroughBackend, PolicyBackend, ProxyConfig, create_app
 from lightning_sdk.proxy.external import ExternalRoute
-from lightning_sdk.store import MemoryStore, SQLiteStore, Store
-from tests.support.servers import RunningServer, run_server
+from lightning_sdk.store import MemoryStore, SQLiteStore, Store, run_sync
+from tests.support.servers import RunningServer, run_server, serve_async
 
-__all__ = ["ADMIN_KEY", "ProxyHandle", "run_proxy"]
+__all__ = ["ADMIN_KEY", "AsyncProxy", "ProxyHandle", "proxy_app", "run_proxy", "serve_proxy"]
 
 ADMIN_KEY = "test-admin-key"
+"""The admin key of every test proxy (and of the test store servers)."""
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 T = TypeVar("T")
+
+#: what ``run_proxy``'s passthrough backend gets unless told otherwise: fast retries for tests
+FAST_RETRIES: dict[str, Any] = {"backoff_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 10.0}
+
+
+def proxy_app(
+    store: Store,
+    upstream: str | None = None,
+    *,
+    policy_backend: PolicyBackend | None = None,
+    external: list[ExternalRoute] | None = None,
+    config: ProxyConfig | None = None,
+    **backend_options: Any,
+) -> Any:
+    """``create_app`` with ``ADMIN_KEY``: ``policy_backend``, or a ``PassthroughBackend`` to ``upstream`` (built
+    with ``backend_options``)."""
+    if policy_backend is None:
+        if upstream is None:
+            raise ValueError("a test proxy needs an upstream URL or a policy_backend")
+        policy_backend = PassthroughBackend(upstream, **backend_options)
+    return create_app(store, policy_backend=policy_backend, admin_key=ADMIN_KEY, external=external, config=config)
+
+
+def _store(store: Store | None, store_path: Path | str | None) -> tuple[Store, bool]:
+    """(the store, whether the harness opened it and so closes it)."""
+    if store is not None:
+        return store, False
+    if store_path is not None:
+        return SQLiteStore(Path(store_path)), True
+    return MemoryStore(), False
 
 
 class ProxyHandle:
@@ -43,7 +87,7 @@ class ProxyHandle:
         self.url = server.url
         self.store = store
         self.app = app
-        self.admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        self.admin = dict(ADMIN_HEADERS)
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -104,19 +148,56 @@ def run_proxy(
     config: ProxyConfig | None = None,
     **backend_options: Any,
 ) -> Iterator[ProxyHandle]:
-    """Serve ``create_app`` on a free loopback port (see the module docstring)."""
-    if policy_backend is None:
-        if upstream is None:
-            raise ValueError("run_proxy needs an upstream URL or a policy_backend")
-        options: dict[str, Any] = {"backoff_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 10.0}
-        options.update(backend_options)
-        policy_backend = PassthroughBackend(upstream, **options)
-    if store is None:
-        store = SQLiteStore(Path(store_path)) if store_path is not None else MemoryStore()
-    app = create_app(store, policy_backend=policy_backend, admin_key=ADMIN_KEY, external=external, config=config)
-    with run_server(app) as server:
-        handle = ProxyHandle(server, store, app)
-        try:
-            yield handle
-        finally:
-            handle.http.close()
+    """Serve the proxy from a background thread on a free loopback port (see the module docstring)."""
+    the_store, owned = _store(store, store_path)
+    options = {**FAST_RETRIES, **backend_options}
+    app = proxy_app(the_store, upstream, policy_backend=policy_backend, external=external, config=config, **options)
+    try:
+        with run_server(app) as server:
+            handle = ProxyHandle(server, the_store, app)
+            try:
+                yield handle
+            finally:
+                handle.http.close()
+    finally:
+        if owned:  # after the server stopped (its shutdown commits what the recorder holds)
+            run_sync(the_store.close())
+
+
+@dataclass
+class AsyncProxy:
+    """A proxy served on the test's event loop: ``url`` (no trailing slash), ``store``, ``app``, ``server``."""
+
+    url: str
+    store: Store
+    app: Any
+    server: RunningServer
+    admin: dict[str, str] = field(default_factory=lambda: dict(ADMIN_HEADERS))
+
+    async def drain(self) -> None:
+        """Wait until every call and reward received so far is committed to the store."""
+        await self.app.state.proxy.recorder.drain()
+
+
+@contextlib.asynccontextmanager
+async def serve_proxy(
+    upstream: str | None = None,
+    *,
+    policy_backend: PolicyBackend | None = None,
+    store: Store | None = None,
+    store_path: Path | str | None = None,
+    external: list[ExternalRoute] | None = None,
+    config: ProxyConfig | None = None,
+    **backend_options: Any,
+) -> AsyncIterator[AsyncProxy]:
+    """``run_proxy`` on the running event loop (the passthrough backend as given: no test retry defaults)."""
+    the_store, owned = _store(store, store_path)
+    app = proxy_app(
+        the_store, upstream, policy_backend=policy_backend, external=external, config=config, **backend_options
+    )
+    try:
+        async with serve_async(app) as server:
+            yield AsyncProxy(server.url, the_store, app, server)
+    finally:
+        if owned:
+            await the_store.close()

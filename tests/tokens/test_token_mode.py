@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.proxy import PassthroughBackend, create_app
+from lightning_sdk.proxy import PassthroughBackend
 from lightning_sdk.proxy.backend import CallContext, ChatResult
 from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.proxy.shapes import ChatStreamAssembler
@@ -28,10 +28,11 @@ from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.tokens import ChatRenderer, get_parser
 from lightning_sdk.types import Attempt, Call
 from tests.support.mock_openai import MockOpenAI
+from tests.support.proxy import ADMIN_KEY, proxy_app
 from tests.support.servers import run_server, serve_async
 from tests.tokens.conversations import TOOLS, Message, assistant, renderer_for, reply_ids, tool_call
 
-ADMIN = "admin-key-token-mode"
+ADMIN = ADMIN_KEY  # the one test proxy harness's key (tests/support/proxy.py)
 Plan = Message | int | list[int]  # a scripted reply message, a number of random vocabulary tokens, or exact ids
 
 
@@ -134,7 +135,7 @@ async def test_token_mode_end_to_end_records_exactly_what_the_engine_saw_and_sam
     backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(history=history))  # type: ignore[arg-type]
     assert isinstance(engine, Engine)
     store = SQLiteStore(tmp_path / "store.db")
-    app = create_app(store, policy_backend=backend, admin_key=ADMIN)
+    app = proxy_app(store, policy_backend=backend)
     try:
         async with serve_async(app) as srv:
             session = await _session(srv.url)
@@ -218,7 +219,7 @@ def test_retokenization_fallback_is_marked_and_checked(tmp_path: Any) -> None:
     store = SQLiteStore(tmp_path / "store.db")
     with run_server(mock.app) as upstream:
         backend = RetokenizingBackend(PassthroughBackend(f"{upstream.url}/v1"), renderer)
-        app = create_app(store, policy_backend=backend, admin_key=ADMIN)
+        app = proxy_app(store, policy_backend=backend)
         with run_server(app) as srv:
             session = srv.call(_session(srv.url))
             client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)
@@ -332,7 +333,7 @@ QWEN3_TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "P
 async def _serve(engine: ScriptedEngine, tmp_path: Any) -> tuple[Any, SQLiteStore]:
     backend = TokenModeBackend(engine, engine.renderer)  # type: ignore[arg-type]
     store = SQLiteStore(tmp_path / "rules.db")
-    return create_app(store, policy_backend=backend, admin_key=ADMIN), store
+    return proxy_app(store, policy_backend=backend), store
 
 
 async def test_context_length_is_refused_and_max_tokens_clipped(tmp_path: Any) -> None:
@@ -483,7 +484,7 @@ def test_invalid_parameters_are_400_naming_the_parameter(tmp_path: Any, extra: d
     renderer = renderer_for("qwen3")
     engine = ScriptedEngine(renderer, [])
     store = SQLiteStore(tmp_path / "v.db")
-    app = create_app(store, policy_backend=TokenModeBackend(engine, renderer), admin_key=ADMIN)  # type: ignore[arg-type]
+    app = proxy_app(store, policy_backend=TokenModeBackend(engine, renderer))  # type: ignore[arg-type]
     with run_server(app) as srv:
         session = srv.call(_session(srv.url))
         body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], **extra}
@@ -516,7 +517,7 @@ def test_parameters_the_engine_cannot_honour_are_refused_and_recorded_as_failed(
     renderer = renderer_for("qwen3")
     engine = ScriptedEngine(renderer, [3])
     store = SQLiteStore(tmp_path / "h.db")
-    app = create_app(store, policy_backend=TokenModeBackend(engine, renderer), admin_key=ADMIN)  # type: ignore[arg-type]
+    app = proxy_app(store, policy_backend=TokenModeBackend(engine, renderer))  # type: ignore[arg-type]
     with run_server(app) as srv:
         session = srv.call(_session(srv.url))
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=session["token"], max_retries=0)

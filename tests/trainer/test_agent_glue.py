@@ -81,7 +81,7 @@ async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> Non
     its failed attempt never trained), not the store's default of one try."""
     import sqlite3
 
-    from lightning_sdk.app.job import build_daemon
+    from lightning_sdk.app.job import build_loop
     from lightning_sdk.trainer.config import load_train_config
     from tests.trainer.tiny import build_small_policy, write_config
 
@@ -89,12 +89,12 @@ async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> Non
     config = load_train_config(write_config(tmp_path / "train.toml", str(model), rl={"tasks_per_step": 2}))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    daemon, parts = build_daemon(config, run_dir, model, [{"question": "1+1", "answer": "2"}] * 4, max_attempts=3)
+    loop, parts = build_loop(config, run_dir, model, [{"question": "1+1", "answer": "2"}] * 4, max_attempts=3)
     try:
-        await daemon.feed()
+        await loop.feed()
     finally:
         await parts.close()
-        await daemon.store.close()
+        await loop.store.close()
     db = sqlite3.connect(run_dir / "store.db")
     rows = db.execute("SELECT split, max_attempts, COUNT(*) FROM rollouts GROUP BY 1, 2").fetchall()
     assert rows == [("train", 3, 4 * config.rl.samples_per_task)]

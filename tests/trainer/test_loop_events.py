@@ -16,9 +16,9 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
+from lightning_sdk.app.loop import TrainingLoop
 from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, store_routes
 from lightning_sdk.store._events import AttemptEnds
-from lightning_sdk.trainer.daemon import TrainerDaemon
 from lightning_sdk.types import AttemptStatus, FinishedGroup
 from tests.support.proxy import ADMIN_KEY
 from tests.support.servers import serve_async
@@ -43,9 +43,9 @@ def _counting(base: type) -> Any:
     return Counting
 
 
-def _loop(store: Any, tmp_path: Path) -> TrainerDaemon:
+def _loop(store: Any, tmp_path: Path) -> TrainingLoop:
     stand_in = SimpleNamespace(policy_version=0, weights=dict)  # the wait uses neither engine nor learner
-    loop = TrainerDaemon(
+    loop = TrainingLoop(
         store,
         stand_in,  # type: ignore[arg-type]
         stand_in,  # type: ignore[arg-type]
@@ -54,7 +54,6 @@ def _loop(store: Any, tmp_path: Path) -> TrainerDaemon:
         tasks_per_step=2,
         samples_per_task=1,
         max_staleness=0,
-        admin_key="k",
     )
     loop.IDLE_S = 0.001  # idle wake-ups as often as possible: they must not read the groups
     return loop

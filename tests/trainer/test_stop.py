@@ -53,6 +53,37 @@ def _wait_for(proc: subprocess.Popen[str], ready: object, timeout: float = 60.0)
         time.sleep(0.05)
 
 
+class Output:
+    """The lines a running command printed so far (read by a thread, so the test can wait for one)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+        self._reader.start()
+
+    def index(self, text: str) -> int | None:
+        """The number of the first line containing ``text`` (None: not printed yet)."""
+        return next((i for i, line in enumerate(list(self.lines)) if text in line), None)
+
+    def value(self, prefix: str) -> str | None:
+        return next((line.split(": ", 1)[1].strip() for line in list(self.lines) if line.startswith(prefix)), None)
+
+    def rest(self) -> str:
+        self._reader.join(timeout=10)
+        return "".join(self.lines)
+
+
+def _stop(proc: subprocess.Popen[str], output: Output) -> tuple[int, str]:
+    """SIGTERM, then the exit code and everything the command printed."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still running 30 s after SIGTERM:\n{output.rest()[-3000:]}") from None
+    return code, output.rest()
+
+
 def _terminate(proc: subprocess.Popen[str]) -> tuple[int, str, float]:
     """SIGTERM, then the exit code, the output and how long the stop took (printed, not asserted)."""
     t0 = time.monotonic()
@@ -113,9 +144,9 @@ def test_train_sigterm_during_warm_start_exits_promptly(tmp_path: Path, small_po
     config = write_config(tmp_path / "train.toml", str(small_policy), warm_start=LONG_WARM_START)
     out = tmp_path / "run"
     proc = _cli("train", str(config), "--output", str(out))
-    _wait_for(proc, lambda: (out / "daemon.json").exists())
-    time.sleep(1.0)  # into the (endless) warm start
-    code, output, _ = _terminate(proc)
+    printed = Output(proc)
+    _wait_for(proc, lambda: printed.index(": warm start") is not None)  # the (endless) warm start has begun
+    code, output = _stop(proc, printed)
     assert code == 143, output[-3000:]
     assert "stopped at step 0" in output and "Traceback" not in output, output[-3000:]
     assert not (out / "checkpoint.pt").exists()
@@ -127,26 +158,14 @@ def test_daemon_prints_its_key_before_the_warm_start_and_stops_on_sigterm(tmp_pa
     config = write_config(tmp_path / "daemon.toml", str(small_policy), warm_start=LONG_WARM_START)
     out = tmp_path / "run"
     proc = _cli("daemon", "--config", str(config), "--output", str(out))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
-    reader.start()
-
-    def printed(prefix: str) -> str | None:
-        return next((line.split(": ", 1)[1].strip() for line in list(lines) if line.startswith(prefix)), None)
-
-    _wait_for(proc, lambda: printed("trainer daemon ready: ") and printed("admin key: "), timeout=60)
-    url, key = printed("trainer daemon ready: "), printed("admin key: ")
+    printed = Output(proc)
+    _wait_for(proc, lambda: printed.index(": warm start") is not None, timeout=60)  # the endless warm start began
+    url, key = printed.value("trainer daemon ready: "), printed.value("admin key: ")
     assert json.loads((out / "daemon.json").read_text()) == {"url": url, "admin_key": key}
-    time.sleep(1.0)  # the warm start never ends by itself: the key was printed before it
+    ready, warm = printed.index("trainer daemon ready: "), printed.index(": warm start")
+    assert ready is not None and warm is not None and ready < warm  # the key came before the warm start
     assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    try:
-        code = proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError("the daemon was still running 30 s after SIGTERM") from None
-    reader.join(timeout=10)
-    rest = "".join(lines)
+    code, rest = _stop(proc, printed)
     assert code == 0, rest[-3000:]
     assert "stopped at step 0" in rest and "Traceback" not in rest, rest[-3000:]
     assert not (out / "checkpoint.pt").exists()

@@ -142,7 +142,7 @@ def test_config_errors_name_the_valid_values(
 def test_the_verl_section_reaches_verl_config(tmp_path: Path, small_policy: Path) -> None:
     """``[verl]`` is verl's own config (its defaults, our keys on top), with the policy directory and the sampling
     temperature; launch keys stay out of ``VerlConfig``."""
-    from lightning_sdk.trainer.factory import verl_config
+    from lightning_sdk.app.parts import verl_config
 
     path = _config(
         tmp_path,
@@ -168,9 +168,9 @@ async def test_warm_start_with_verl_is_refused_before_anything_is_built(tmp_path
 async def test_a_server_engine_gets_checkpoint_directories(tmp_path: Path, small_policy: Path) -> None:
     """With ``engine.kind = "sglang"`` the learner's weights are published as an HF checkpoint directory per
     version (what SGLang's ``update_weights_from_disk`` reads); no server is contacted by building the parts."""
+    from lightning_sdk.app.parts import ServedEngine, build_parts
     from lightning_sdk.engines.embedded import EmbeddedEngine
     from lightning_sdk.engines.sglang import SGLangEngine
-    from lightning_sdk.trainer.factory import ServedEngine, build_parts
 
     path = _config(tmp_path, small_policy, "", engine={"kind": "sglang", "urls": ["http://127.0.0.1:9"]})
     parts = build_parts(load_train_config(path), tmp_path, small_policy)

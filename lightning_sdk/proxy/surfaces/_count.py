@@ -44,10 +44,7 @@ async def count_tokens(proxy: Any, scope: Scope, receive: Receive, send: Send, p
             ids = await asyncio.to_thread(renderer.render, chat["messages"], chat.get("tools"))
         except TokenizationError as exc:
             raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
-    except ProxyHTTPError as err:
-        await send_error(send, surface, err)
-        return
-    except LightningSDKError as exc:
+    except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
         await send_error(send, surface, from_sdk_error(exc))
         return
     payload = orjson.dumps({"input_tokens": len(ids)})

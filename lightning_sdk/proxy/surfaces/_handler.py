@@ -23,11 +23,21 @@ from starlette.types import Receive, Scope, Send
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.http_errors import bearer_token, error_headers
 from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error, validate_chat
+from lightning_sdk.proxy.errors import ProxyHTTPError, _bad, from_sdk_error, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import now
 
-__all__ = ["SESSION_HEADERS", "Surface", "SurfaceStream", "Translation", "attempt_token", "handle_surface"]
+__all__ = [
+    "SESSION_HEADERS",
+    "Surface",
+    "SurfaceStream",
+    "Translation",
+    "attempt_token",
+    "chat_form",
+    "check_common",
+    "handle_surface",
+    "original_request",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +140,7 @@ async def handle_surface(
         body = surface.validate(raw)
         state = await proxy.attempts.resolve(attempt_token(scope, path_token))
         state.enter()  # no await since resolve's check: finish sees this call or this call sees 409
-    except ProxyHTTPError as err:
-        await send_error(send, surface, err)
-        return
-    except LightningSDKError as exc:
+    except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
         await send_error(send, surface, from_sdk_error(exc))
         return
     try:
@@ -281,6 +288,41 @@ async def _relay(
         return None, ProxyHTTPError(502, "the stream ended without a result", kind="upstream_error")
     await out({"type": "http.response.body", "body": b"".join(events.finish(Reply.from_chat(result.response, stop)))})
     return result, None
+
+
+def check_common(raw: Any) -> dict[str, Any]:
+    """The checks every surface's request passes first (400 naming the field): a JSON object with a non-empty
+    ``model``; ``stream`` a boolean; ``temperature`` and ``top_p`` numbers; ``tools`` a list."""
+    if not isinstance(raw, dict):
+        raise _bad("body", "the request body must be a JSON object")
+    if not isinstance(raw.get("model"), str) or not raw["model"]:
+        raise _bad("model", "required, a non-empty string")
+    if "stream" in raw and not isinstance(raw["stream"], bool | None):
+        raise _bad("stream", "must be a boolean")
+    for key in _SAMPLING:
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise _bad(key, "must be a number")
+    if raw.get("tools") is not None and not isinstance(raw["tools"], list):
+        raise _bad("tools", "must be a list")
+    return raw
+
+
+def chat_form(body: dict[str, Any], messages: list[Any], tools: list[Any]) -> dict[str, Any]:
+    """The start of the chat form of a surface request: model, messages, the tools shown, the sampling settings."""
+    chat: dict[str, Any] = {"model": body["model"], "messages": messages}
+    if tools:
+        chat["tools"] = tools
+    chat.update({key: body[key] for key in _SAMPLING if body.get(key) is not None})
+    return chat
+
+
+def original_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The request as the agent sent it, for the record (``stream`` is a transport detail)."""
+    return {k: v for k, v in body.items() if k != "stream"}
+
+
+_SAMPLING = ("temperature", "top_p")
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:

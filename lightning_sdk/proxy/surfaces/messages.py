@@ -30,7 +30,7 @@ import orjson
 
 from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply, opaque_ref
-from lightning_sdk.proxy.surfaces._handler import Translation, sse
+from lightning_sdk.proxy.surfaces._handler import Translation, chat_form, check_common, original_request, sse
 
 __all__ = ["MessagesSurface", "anthropic_error"]
 
@@ -81,11 +81,8 @@ class MessagesSurface:
 
     # -- request ---------------------------------------------------------------------------------------------------
     def validate(self, raw: Any) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            raise _bad("body", "the request body must be a JSON object")
-        if not isinstance(raw.get("model"), str) or not raw["model"]:
-            raise _bad("model", "Field required (a non-empty string)")
-        messages = raw.get("messages")
+        body = check_common(raw)
+        messages = body.get("messages")
         if not isinstance(messages, list):
             raise _bad("messages", "Field required (a list of messages)")
         for i, m in enumerate(messages):
@@ -93,21 +90,13 @@ class MessagesSurface:
                 raise _bad(f"messages.{i}.role", "must be 'user' or 'assistant'")
             if not isinstance(m.get("content"), str | list):
                 raise _bad(f"messages.{i}.content", "must be a string or a list of content blocks")
-        max_tokens = raw.get("max_tokens")
+        max_tokens = body.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise _bad("max_tokens", "Field required (a positive integer)")
-        if "stream" in raw and not isinstance(raw["stream"], bool | None):
-            raise _bad("stream", "must be a boolean")
-        stops = raw.get("stop_sequences")
+        stops = body.get("stop_sequences")
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
             raise _bad("stop_sequences", "must be a list of strings")
-        for key in ("temperature", "top_p"):
-            value = raw.get(key)
-            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-                raise _bad(key, "must be a number")
-        if raw.get("tools") is not None and not isinstance(raw["tools"], list):
-            raise _bad("tools", "must be a list")
-        return raw
+        return body
 
     def translate(self, body: dict[str, Any], prior: PriorReplies, call_id: str) -> Translation:
         messages: list[Message] = []
@@ -120,9 +109,8 @@ class MessagesSurface:
             raise _bad("messages", "at least one user message is required")
         tools, hidden = self._tools(body.get("tools") or [])
         stop = list(body.get("stop_sequences") or [])
-        chat: dict[str, Any] = {"model": body["model"], "messages": messages, "max_tokens": body.get("max_tokens")}
-        if tools:
-            chat["tools"] = tools
+        chat = chat_form(body, messages, tools)
+        chat["max_tokens"] = body.get("max_tokens")
         choice = body.get("tool_choice")
         if choice is not None and not isinstance(choice, dict):
             raise _bad("tool_choice", "must be an object with a type (auto, any, tool, none)")
@@ -140,11 +128,7 @@ class MessagesSurface:
                 chat["parallel_tool_calls"] = False
         if stop:
             chat["stop"] = stop
-        for key in ("temperature", "top_p"):
-            if body.get(key) is not None:
-                chat[key] = body[key]
-        original = {k: v for k, v in body.items() if k != "stream"}
-        record: dict[str, Any] = {"api": self.api, "request": original, "hidden_tools": hidden}
+        record: dict[str, Any] = {"api": self.api, "request": original_request(body), "hidden_tools": hidden}
         state = {"id": "msg_" + call_id.removeprefix("call-"), "call_id": call_id, "model": body["model"]}
         return Translation(chat=chat, record=record, stop=stop, state=state)
 

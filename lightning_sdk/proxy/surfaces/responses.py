@@ -32,7 +32,7 @@ import orjson
 
 from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
 from lightning_sdk.proxy.surfaces._chat import ChatDeltaReader, PriorReplies, Reply, ToolUse, opaque_ref, surface_of
-from lightning_sdk.proxy.surfaces._handler import Translation, sse
+from lightning_sdk.proxy.surfaces._handler import Translation, chat_form, check_common, original_request, sse
 
 __all__ = ["ResponsesSurface"]
 
@@ -68,29 +68,18 @@ class ResponsesSurface:
 
     # -- request ---------------------------------------------------------------------------------------------------
     def validate(self, raw: Any) -> dict[str, Any]:
-        if not isinstance(raw, dict):
-            raise _bad("body", "the request body must be a JSON object")
-        if not isinstance(raw.get("model"), str) or not raw["model"]:
-            raise _bad("model", "required, a non-empty string")
-        if not isinstance(raw.get("input"), str | list):
+        body = check_common(raw)
+        if not isinstance(body.get("input"), str | list):
             raise _bad("input", "required, a string or a list of input items")
-        if raw.get("instructions") is not None and not isinstance(raw["instructions"], str):
+        if body.get("instructions") is not None and not isinstance(body["instructions"], str):
             raise _bad("instructions", "must be a string")
-        if "stream" in raw and not isinstance(raw["stream"], bool | None):
-            raise _bad("stream", "must be a boolean")
-        value = raw.get("max_output_tokens")
+        value = body.get("max_output_tokens")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise _bad("max_output_tokens", "must be a positive integer")
-        for key in ("temperature", "top_p"):
-            value = raw.get(key)
-            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-                raise _bad(key, "must be a number")
-        if raw.get("tools") is not None and not isinstance(raw["tools"], list):
-            raise _bad("tools", "must be a list")
-        prev = raw.get("previous_response_id")
+        prev = body.get("previous_response_id")
         if prev is not None and not isinstance(prev, str):
             raise _bad("previous_response_id", "must be a string")
-        return raw
+        return body
 
     def translate(self, body: dict[str, Any], prior: PriorReplies, call_id: str) -> Translation:
         tools, hidden, names = self._tools(body.get("tools") or [])
@@ -120,9 +109,7 @@ class ResponsesSurface:
             messages += self._items(items, prior, flat)
         if not messages:
             raise _bad("input", "nothing to answer: no input items")
-        chat: dict[str, Any] = {"model": body["model"], "messages": messages}
-        if tools:
-            chat["tools"] = tools
+        chat = chat_form(body, messages, tools)
         choice = body.get("tool_choice")
         if isinstance(choice, str):
             chat["tool_choice"] = choice
@@ -132,9 +119,6 @@ class ResponsesSurface:
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
-        for key in ("temperature", "top_p"):
-            if body.get(key) is not None:
-                chat[key] = body[key]
         fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
             schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
@@ -142,10 +126,9 @@ class ResponsesSurface:
         elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
             chat["response_format"] = {"type": "json_object"}
         suffix = call_id.removeprefix("call-")
-        original = {k: v for k, v in body.items() if k != "stream"}
         record: dict[str, Any] = {
             "api": self.api,
-            "request": original,
+            "request": original_request(body),
             "hidden_tools": hidden,
             "response_id": "resp_" + suffix,
             "instructions": bool(body.get("instructions")),

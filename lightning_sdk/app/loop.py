@@ -1,94 +1,83 @@
-"""The trainer daemon: store + proxy (token mode over the embedded engine) + learner in one asyncio process.
+"""The training loop, top to bottom: take finished groups, build records, ``learner.step``, checkpoint, publish the
+weights; and the held-out checks that pause it. The jobs in ``app/train.py`` / ``app/daemon.py`` set everything up
+(``app/job.py``) and run this.
 
     ┌──────── agents (in process: WorkerPool; or remote: lightning-sdk run) ────────┐
     │            HTTP (OpenAI API, attempt token)                                    │
     ▼                                                                                │
-  proxy ──ids──▶ EmbeddedEngine (worker thread, batches requests)                    │
+  proxy ──ids──▶ engine (embedded: a worker thread batching requests; or vLLM/SGLang) │
     │ calls                                                                          │
     ▼                                                                                │
-  store ──finished groups (≤ max_staleness versions old)──▶ records ──▶ Learner (thread)
+  store ──finished groups (≤ max_staleness versions old)──▶ records ──▶ learner (thread)
     ▲                                                                    │
     └──────────── consume_groups(step) ◀── checkpoint ◀── new weights ───┘──▶ engine.update_weights(version+1)
 
 Rollouts keep flowing while the learner trains: the engine serves agents from its own thread and the learner
-steps in another, so the event loop (proxy, store, workers) never waits for either. One training step:
+steps in another, so the event loop (proxy, store, workers) never waits for either. One training step
+(``TrainingLoop.train_step``):
 
-1. take ``tasks_per_step`` finished train groups, oldest first; a group sampled more than ``max_staleness`` policy
-   versions ago (its oldest call) is dropped (consumed without training, counted);
+1. take ``tasks_per_step`` finished train groups, oldest first, waking when the store signals that attempts ended
+   (``_take_groups``); a group sampled more than ``max_staleness`` policy versions ago (its oldest call) is dropped
+   (consumed without training, counted);
 2. build records (merge, advantages: GRPO by default); ``learner.step(records)`` in a thread (each backend builds
    its own batch from the records);
 3. write the checkpoint (weights, optimizer, step, the step's groups), then ``consume_groups(step, ...)``, then
    publish the version and hand the weights to the engine (swapped in as soon as its running batch ends; the
-   learner does not wait for that). See ``checkpoint.py`` for why this order makes a
-   killed daemon resume with no group trained twice and none lost.
+   learner does not wait for that). See ``trainer/checkpoint.py`` for why this order makes a killed run resume
+   with no group trained twice and none lost.
 
-The engine and learner are whatever ``factory.build_parts`` made of the config (the embedded ones above, or verl's
-FSDP ranks behind ``VerlLearner`` and SGLang/vLLM servers); ``weights()`` is what the engine gets after a step (a
-state dict, or a checkpoint directory for a server), so this loop never asks which backend it runs.
-
-The daemon also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
+The loop also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
 enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding.
+
+``run_rl`` runs the in-process agent workers around ``train_steps`` and, with a target gain (``[rl] target_gain``,
+``trainer/stopping.py``), pauses for held-out checks (``evaluate``); evaluations sample by their split's rule
+(the proxy's per-split sampling, ``app.job.split_sampling``), never by a setting on the engine.
+
+The engine and learner are whatever ``app/parts.py`` made of the config (the embedded ones, or verl's FSDP ranks
+behind ``VerlLearner`` and SGLang/vLLM servers); ``weights()`` is what the engine gets after a step (a state dict,
+or a checkpoint directory for a server), so this loop never asks which backend it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
-
-from lightning_sdk.errors import ConfigError, TrainerError
-from lightning_sdk.proxy.sampling import SplitSampling
+from lightning_sdk.agent import WorkerPool, run_tasks
+from lightning_sdk.agent._base import Agent
+from lightning_sdk.errors import TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from lightning_sdk.types import FinishedGroup, PolicyVersion, Resource
+from lightning_sdk.trainer.stopping import GainTarget
+from lightning_sdk.types import FinishedGroup, PolicyVersion
 
 if TYPE_CHECKING:
-    from lightning_sdk.trainer.factory import LearnerLike, ServingEngine
+    from lightning_sdk.app.parts import LearnerLike, ServingEngine
     from lightning_sdk.trainer.sampling import TaskSampler
 
-__all__ = ["StepReport", "TrainerDaemon", "bind_socket", "free_port", "group_version"]
+__all__ = ["RLResult", "RunStopped", "StepReport", "TrainingLoop", "evaluate", "group_version", "never", "run_rl"]
 
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+class RunStopped(TrainerError):
+    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step = step
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the proxy's listening socket now (``port`` 0: a free one), before the slow policy set-up, so a bad or
-    busy port is a one-line ``ConfigError`` instead of a uvicorn traceback minutes later."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port {port} is not a TCP port (0-65535)")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the daemon's owner decides what SIGINT/SIGTERM do (stop the workers,
-    finish the step, write the checkpoint), and the proxy stops last, in ``TrainerDaemon.stop``."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+def never() -> bool:
+    """The default ``stop``: never."""
+    return False
 
 
 def group_version(group: FinishedGroup) -> int | None:
@@ -153,8 +142,9 @@ class StepReport:
         return out
 
 
-class TrainerDaemon:
-    """Owns the store, the engine, the proxy server and the learner; ``train_steps`` runs the async RL loop."""
+class TrainingLoop:
+    """The RL loop over a store, a serving engine and a learner; ``url`` is the proxy the agents call (served by the
+    job: ``app/server.py``). ``resume`` first, then ``train_steps`` (or ``run_rl`` with in-process workers)."""
 
     def __init__(
         self,
@@ -163,6 +153,7 @@ class TrainerDaemon:
         learner: LearnerLike,
         run_dir: str | Path,
         *,
+        url: str = "",
         weights: Callable[[], Any] | None = None,
         train_tasks: Sequence[dict[str, Any]] = (),
         tasks_per_step: int = 16,
@@ -170,18 +161,13 @@ class TrainerDaemon:
         max_staleness: int = 1,
         records_config: RecordsConfig | None = None,
         max_attempts: int = 1,
-        sampling: SplitSampling | None = None,
-        admin_key: str,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        sock: socket.socket | None = None,
-        model_name: str = "policy",
         sampler: TaskSampler | None = None,
     ) -> None:
         self.store = store
         self.engine = engine
         self.learner = learner
-        # what engine.update_weights gets (a state dict, or a checkpoint directory for a server): see factory.py
+        self.url = url
+        # what engine.update_weights gets (a state dict, or a checkpoint directory for a server): see app/parts.py
         self.weights: Callable[[], Any] = weights or learner.weights
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -191,74 +177,20 @@ class TrainerDaemon:
         self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
         self.max_staleness = max_staleness
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
-        # per-split sampling the proxy imposes on every policy call (train at [rl] settings, evaluations at [eval])
-        self.sampling = sampling
-        self.admin_key = admin_key
-        self.host = host
-        self._sock = sock
-        self.port = int(sock.getsockname()[1]) if sock is not None else port
-        self.model_name = model_name
         self.step = 0
         self.version = engine.policy_version
         self.next_task = 0
-        # which task each new group runs (None: the train tasks in order); see sampling.py
+        # which task each new group runs (None: the train tasks in order); see trainer/sampling.py
         self.sampler = sampler
         self.consumed: dict[int, dict[str, list[str]]] = {}
         self.dropped_total = 0
         self.learner_busy_s = 0.0
-        self._server: uvicorn.Server | None = None
-        self._server_task: asyncio.Task[None] | None = None
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    # -- lifecycle -----------------------------------------------------------------------------------------------
-    async def start(self) -> str:
-        """Resume from the run directory's checkpoint if any, then serve the proxy; returns its URL."""
-        from lightning_sdk.proxy import create_app
-        from lightning_sdk.proxy.serve import uvicorn_config
-        from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
-        from lightning_sdk.tokens import ChatRenderer
-
-        if self._sock is None:
-            self._sock = bind_socket(self.host, self.port)
-            self.port = int(self._sock.getsockname()[1])
-        await self._resume()
-        renderer = ChatRenderer(self.engine.tokenizer)
-        backend = TokenModeBackend(
-            self.engine, renderer, config=TokenModeConfig(model_name=self.model_name, sampling=self.sampling)
-        )
-        app = create_app(self.store, policy_backend=backend, admin_key=self.admin_key)
-        self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
-        self._server_task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
-        while not self._server.started:
-            if self._server_task.done():
-                raise TrainerError(f"the proxy could not start on {self.url}")
-            await asyncio.sleep(0.02)
-        await self.store.set_resource(Resource(name=self.model_name, base_url=self.url + "/v1", kind="embedded"))
-        logger.info("trainer daemon serving on %s (policy version %d, step %d)", self.url, self.version, self.step)
-        return self.url
-
-    async def stop(self) -> None:
-        """Stop the proxy (call it last: after the workers have finished or released their attempts)."""
-        await self.flush_weights()
-        if self._server is not None and self._server_task is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._server_task
-        self._server = None
-        self.close_socket()
-
-    def close_socket(self) -> None:
-        """Close the listening socket (also when ``start`` was never reached)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    async def _resume(self) -> None:
+    async def resume(self) -> None:
+        """Resume from the run directory's checkpoint if any (learner state, step, version, the groups consumed, the
+        engine's weights); else publish the starting version."""
         ckpt = load_checkpoint(self.run_dir)
         if ckpt is None:
             await self.store.publish_version(PolicyVersion(version=self.version, step=0))
@@ -497,3 +429,122 @@ class TrainerDaemon:
             if on_step is not None:
                 on_step(report)
         return reports
+
+
+# -- evaluation and RL with held-out checks ----------------------------------------------------------------------------
+async def evaluate(
+    loop: TrainingLoop,
+    agent: Agent,
+    tasks: list[dict[str, Any]],
+    split: str,
+    workers: int,
+    stop: Callable[[], bool] = never,
+) -> dict[str, Any]:
+    """Run the agent on ``tasks`` through the proxy as ``split`` (the proxy samples it by that split's rule); the
+    ``eval_*`` entry of the summary. When ``stop()`` turns true the in-flight attempts are released and
+    ``RunStopped`` is raised."""
+    pool = WorkerPool(agent, loop.store, loop.url, n_workers=workers, split=split, poll_s=0.05)
+
+    async def watch() -> None:
+        while not stop():
+            await asyncio.sleep(0.05)
+        pool.stop(release=True)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        t0 = time.perf_counter()
+        summary = await run_tasks(agent, loop.store, loop.url, tasks, split=split, pool=pool, poll_s=0.05)
+    finally:
+        watcher.cancel()
+        await pool.close()
+    if stop():
+        raise RunStopped(loop.step)
+    out = summary.to_dict()
+    out.pop("failed", None)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+@dataclass
+class RLResult:
+    """What ``run_rl`` did: the held-out checks (``step``, ``success_rate``, ``reached``, ``elapsed_s``,
+    ``wall_s``), the check that reached the target (the run's ``eval_after``; None otherwise) and the wall time."""
+
+    checks: list[dict[str, Any]]
+    reached: dict[str, Any] | None
+    wall_s: float
+
+
+async def run_rl(
+    loop: TrainingLoop,
+    agent: Agent,
+    *,
+    steps: int,
+    workers: int,
+    on_step: Callable[[StepReport], None],
+    held_out: Callable[[str, str], Awaitable[dict[str, Any]]],
+    target: GainTarget | None = None,
+    deadline: float | None = None,
+    t_start: float | None = None,
+    note: Callable[[str], None] = lambda text: None,
+    on_rl: Callable[[], None] = lambda: None,
+    stop: Callable[[], bool] = never,
+) -> RLResult:
+    """RL with in-process workers until ``steps``, ``deadline`` or ``stop()`` (``RunStopped``). With a ``target``,
+    RL pauses whenever the target is due: the workers release their attempts, ``held_out(split, label)`` evaluates
+    the newest weights, and RL ends when the gain is confirmed, else goes on (``on_rl`` is told)."""
+    t_rl = time.perf_counter()
+    t_start = t_rl if t_start is None else t_start
+    checks: list[dict[str, Any]] = []
+    pause = target.due if target is not None else never
+
+    def stop_or_pause() -> bool:
+        return stop() or pause()
+
+    while True:
+        await _with_workers(
+            loop, agent, workers, loop.train_steps(steps, deadline=deadline, on_step=on_step, stop=stop_or_pause)
+        )
+        if stop():
+            raise RunStopped(loop.step)
+        if target is None or not target.due():
+            break
+        await loop.flush_weights()  # the check evaluates the newest weights
+        t_check = time.perf_counter()
+        result = await held_out(f"eval-check-{target.checks + 1}", f"target check at step {loop.step}")
+        reached = target.reached(result["success_rate"])
+        checks.append(
+            {
+                "step": loop.step,
+                "success_rate": result["success_rate"],
+                "reached": reached,
+                "elapsed_s": round(time.perf_counter() - t_start, 2),
+                "wall_s": round(time.perf_counter() - t_check, 2),
+            }
+        )
+        note(
+            f"held-out check at step {loop.step}: {100 * result['success_rate']:.1f}%"
+            f" ({'target reached' if reached else 'going on'})"
+        )
+        if reached:
+            await loop.flush_weights()
+            return RLResult(checks, result, time.perf_counter() - t_rl)
+        if loop.step >= steps or (deadline is not None and time.perf_counter() >= deadline):
+            break
+        on_rl()
+    await loop.flush_weights()
+    return RLResult(checks, None, time.perf_counter() - t_rl)
+
+
+async def _with_workers(loop: TrainingLoop, agent: Agent, workers: int, training: Awaitable[Any]) -> None:
+    """Run the in-process agent workers while ``training`` runs; they release their in-flight attempts after."""
+    pool = WorkerPool(agent, loop.store, loop.url, n_workers=workers, split="train", poll_s=0.05)
+    stopping = False
+    pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
+    try:
+        await training
+    finally:
+        stopping = True
+        pool.stop(release=True)
+        await pool_task
+        await pool.close()

@@ -5,10 +5,11 @@ what the serving engine is handed after each update.
     engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
     both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
 
-The daemon only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and ``engine.update_weights``
-and never asks which backend or engine it has. Remote engines are wrapped in ``ServedEngine`` so they offer what the
-trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, token counts). Sampling settings are
-not the engine's: the proxy applies them per request, by the attempt's split (``proxy/sampling.py``).
+The training loop (``app/loop.py``) only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and
+``engine.update_weights`` and never asks which backend or engine it has. Remote engines are wrapped in
+``ServedEngine`` so they offer what the trainer needs of an engine besides the ``Engine`` protocol (the tokenizer,
+token counts). Sampling settings are not the engine's: the proxy applies them per request, by the attempt's split
+(``proxy/sampling.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Samp
 from lightning_sdk.errors import ConfigError, EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.learner import Learner, half_the_cores
+from lightning_sdk.trainer.learner import Learner
 
 __all__ = [
     "LearnerLike",
@@ -54,7 +55,7 @@ class ServingEngine(Engine, Protocol):
 
 
 class LearnerLike(Protocol):
-    """What the daemon asks of a learner (``Learner`` and ``VerlLearner`` both are one)."""
+    """What the training loop asks of a learner (``Learner`` and ``VerlLearner`` both are one)."""
 
     steps: int
 
@@ -92,13 +93,8 @@ class ServedEngine:
         self.stats["tokens"] += len(gen.completion_ids)
         return gen
 
-    def stream(
+    async def stream(
         self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
-    ) -> AsyncIterator[GenerationDelta]:
-        return self._stream(input_ids, sampling, session_id)
-
-    async def _stream(
-        self, input_ids: list[int], sampling: Sampling, session_id: str | None
     ) -> AsyncIterator[GenerationDelta]:
         self.stats["requests"] += 1
         async for delta in self.inner.stream(input_ids, sampling, session_id=session_id):
@@ -218,7 +214,7 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
             copy.deepcopy(model),
             tokenizer,
             max_batch_size=config.engine.max_batch_size,
-            threads=config.engine.threads or half_the_cores(),
+            threads=config.engine.threads,
         )
     if config.backend == "verl":
         try:

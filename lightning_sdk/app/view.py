@@ -23,8 +23,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from lightning_sdk.app.loop import StepReport
 from lightning_sdk.errors import ConfigError
-from lightning_sdk.trainer.daemon import StepReport
 
 __all__ = ["MetricsLog", "ProgressView", "plot_reward_curve"]
 

@@ -1,0 +1,111 @@
+"""The job's proxy server: token mode over the serving engine, recording into the store, on a socket bound first.
+
+``bind_socket`` runs before the slow policy set-up, so a bad or busy port fails at once; ``ProxyServer.start``
+serves ``create_app`` (token mode over the engine, with the job's per-split sampling) on that socket with uvicorn
+and publishes the policy's URL as a store resource; ``stop`` is called last, after the workers are done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from lightning_sdk.engines.base import Engine
+from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.proxy.sampling import SplitSampling
+from lightning_sdk.store.base import Store
+from lightning_sdk.types import Resource
+
+__all__ = ["ProxyServer", "bind_socket", "free_port"]
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the proxy's listening socket now (``port`` 0: a free one), before the slow policy set-up, so a bad or
+    busy port is a one-line ``ConfigError`` instead of a uvicorn traceback minutes later."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port {port} is not a TCP port (0-65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the job decides what SIGINT/SIGTERM do (stop the workers, finish the
+    step, write the checkpoint), and the proxy stops last."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ProxyServer:
+    """The proxy of a job on ``sock`` (bound by ``bind_socket``); ``url`` is known before it serves."""
+
+    def __init__(self, sock: socket.socket, host: str) -> None:
+        self.sock = sock
+        self.host = host
+        self.port = int(sock.getsockname()[1])
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(
+        self,
+        store: Store,
+        engine: Engine,
+        tokenizer: object,
+        *,
+        admin_key: str,
+        sampling: SplitSampling | None,
+        model_name: str = "policy",
+    ) -> None:
+        """Serve the proxy (token mode over ``engine``, ``sampling`` per split) and publish it as a resource."""
+        from lightning_sdk.proxy import create_app
+        from lightning_sdk.proxy.serve import uvicorn_config
+        from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
+        from lightning_sdk.tokens import ChatRenderer
+
+        renderer = ChatRenderer(tokenizer)
+        backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
+        app = create_app(store, policy_backend=backend, admin_key=admin_key)
+        self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
+        server, task = self._server, self._task
+        while not server.started:  # uvicorn flags ``started`` without an event to wait on
+            if task.done():
+                raise TrainerError(f"the proxy could not start on {self.url}")
+            await asyncio.sleep(0.02)
+        await store.set_resource(Resource(name=model_name, base_url=self.url + "/v1", kind="embedded"))
+
+    async def stop(self) -> None:
+        """Stop serving (call it last: after the workers have finished or released their attempts)."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._server = None
+        self.close_socket()
+
+    def close_socket(self) -> None:
+        self.sock.close()
