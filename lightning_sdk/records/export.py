@@ -30,7 +30,7 @@ from typing import IO, Any
 import numpy as np
 import orjson
 
-from lightning_sdk.errors import ConfigError
+from lightning_sdk.errors import ConfigError, RecordError
 from lightning_sdk.records.advantages import F64, AdvantageInput, compute_advantages, is_batch_wide
 from lightning_sdk.records.build import BuildResult, RecordsConfig, RolloutReport, build_records
 from lightning_sdk.records.record import Record
@@ -189,7 +189,7 @@ class ExportResult:
         return f"ExportResult(rows={self.rows}, pages={self.pages}, passes={self.passes})"
 
 
-class _NeedsPerToken(Exception):
+class _NeedsPerToken(RecordError):
     """A scalar-advantage Parquet file met a row with per-token advantages: write it again with lists."""
 
 
