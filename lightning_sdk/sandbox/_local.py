@@ -453,13 +453,16 @@ class LocalSandbox(Sandbox):
         self._closed = True
         if self._watchdog is not None:
             self._watchdog.cancel()
+        cgroups, directory = list(self.cgroups), self.directory
         try:
             await self.kill_processes()
-            cgroups = list(self.cgroups)
-            directory = self.directory
             await asyncio.to_thread(_remove_cgroups, cgroups)
             await asyncio.to_thread(shutil.rmtree, directory, True)
         finally:
+            if directory.exists():  # cancelled (or failed) half-way: finish here, or nothing would remove it
+                _kill_everything(directory, self.id, cgroups)
+                _remove_cgroups(cgroups)
+                shutil.rmtree(directory, ignore_errors=True)
             self.backend._release(self)
 
 

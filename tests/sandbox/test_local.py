@@ -4,6 +4,7 @@ can end leaves nothing behind (also a SIGKILLed owner, reaped by the next backen
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -251,6 +252,23 @@ async def test_cancelled_create_leaves_nothing(backend: LocalBackend) -> None:
         except asyncio.CancelledError:
             continue
         await box.close()  # it finished before the cancel landed
+    assert backend.active() == 0 and list(backend.root.iterdir()) == []
+
+
+async def test_cancelled_close_still_removes_everything(backend: LocalBackend) -> None:
+    """A close cancelled at any of its awaits (an attempt released while its sandbox closes) still kills the
+    sandbox's processes and removes its directory and cgroups (a run's last sandbox was left behind that way)."""
+    for delay in (0.0, 0.001, 0.005, 0.02, 0.05):
+        box = await backend.create(FILES)
+        proc = await box.start(["sleep", "300"])
+        task = asyncio.create_task(box.close())
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert not box.directory.exists() and not any(Path(cg).exists() for cg in box.cgroups)
+        await asyncio.wait_for(proc.wait(), 10)
+        assert proc.returncode == -signal.SIGKILL
     assert backend.active() == 0 and list(backend.root.iterdir()) == []
 
 
