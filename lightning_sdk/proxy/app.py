@@ -41,7 +41,14 @@ from lightning_sdk.errors import AttemptNotRunningError, ConfigError, LightningS
 from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.proxy.admin import admin_routes
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy.backend import (
+    CallContext,
+    ChatResult,
+    PolicyBackend,
+    StreamItem,
+    UpstreamHTTPError,
+    relay_items,
+)
 from lightning_sdk.proxy.errors import (
     ProxyHTTPError,
     error_event,
@@ -562,16 +569,13 @@ async def _relay(
     """
     headers = [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    result: ChatResult | None = None
-    item: StreamItem | None = first
+
+    async def chunk(item: dict[str, Any] | bytes) -> None:
+        data = item if isinstance(item, bytes) else orjson.dumps(item)
+        await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
+
     try:
-        while item is not None:
-            if isinstance(item, ChatResult):
-                result = item
-            else:
-                data = item if isinstance(item, bytes) else orjson.dumps(item)
-                await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n", "more_body": True})
-            item = await anext(stream, None)
+        result = await relay_items(first, stream, chunk)
     except LightningSDKError as exc:
         return None, from_sdk_error(exc)
     if result is None:

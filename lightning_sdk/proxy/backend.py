@@ -32,6 +32,7 @@ __all__ = [
     "PolicyBackend",
     "StreamItem",
     "UpstreamHTTPError",
+    "relay_items",
 ]
 
 
@@ -93,6 +94,24 @@ class CallContext:
 
 
 StreamItem = dict[str, Any] | bytes | ChatResult
+
+
+async def relay_items(
+    first: StreamItem, rest: AsyncIterator[StreamItem], send: Callable[[dict[str, Any] | bytes], Awaitable[None]]
+) -> ChatResult | None:
+    """Pass a backend stream's chunks (``first``, then ``rest``) to ``send``; returns the stream's ``ChatResult``
+    (None when it ended without one). Errors of the stream propagate."""
+    result: ChatResult | None = None
+    item: StreamItem | None = first
+    while item is not None:
+        if isinstance(item, ChatResult):
+            result = item
+        else:
+            await send(item)
+        item = await anext(rest, None)
+    return result
+
+
 """One item of a streaming backend method: an OpenAI chunk (dict or its JSON bytes); the last item a ChatResult."""
 
 

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.http_errors import bearer_token, error_headers
-from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError, relay_items
 from lightning_sdk.proxy.errors import ProxyHTTPError, _bad, from_sdk_error, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import now
@@ -270,16 +270,12 @@ async def _relay(
         if chunks:
             await out({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
 
+    async def chunk(item: dict[str, Any] | bytes) -> None:
+        await emit(events.feed(_chunk_dict(item)))
+
     await emit(events.start())
-    result: ChatResult | None = None
-    item: StreamItem | None = first
     try:
-        while item is not None:
-            if isinstance(item, ChatResult):
-                result = item
-            else:
-                await emit(events.feed(_chunk_dict(item)))
-            item = await anext(items, None)
+        result = await relay_items(first, items, chunk)
     except UpstreamHTTPError as exc:
         return None, upstream_refusal(exc)
     except LightningSDKError as exc:
