@@ -18,25 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.sandboxes import sandboxed_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "coding_agent"
 CONTEXT = 1024  # the tiny policy's max_position_embeddings
 BUDGET_S = float(os.environ.get("CODING_ACCEPTANCE_BUDGET_S", "900"))
-
-
-def _sandboxed_processes(root: Path) -> set[int]:
-    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
-    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
-                found.add(int(entry))
-    return found
 
 
 @pytest.mark.slow
@@ -75,7 +62,7 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     # nothing left behind: no sandbox directory, no process of a sandbox
     boxes = scratch / "lightning-sandboxes"
     assert not boxes.exists() or list(boxes.iterdir()) == []
-    assert _sandboxed_processes(boxes) == set()
+    assert sandboxed_processes(boxes) == set()
 
     # fidelity of the RL records
     report = tmp_path / "report.json"

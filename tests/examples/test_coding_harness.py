@@ -8,7 +8,6 @@ agent's timeout (its processes and sandbox gone)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from lightning_sdk.store.loader import load_groups
 from lightning_sdk.types import AttemptStatus
 from tests.agent.stack import assert_calls_traced, proxy_stack
 from tests.support.mock_openai import MockOpenAI, MockReply
+from tests.support.sandboxes import sandboxed_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "coding_agent"
@@ -36,21 +36,6 @@ def _agent(tmp_path: Path, timeout: float = 60, max_attempts: int = 1) -> la.Com
     return la.CommandAgent(
         example.command, reward=example.reward, timeout=timeout, sandbox=spec, name="coder", max_attempts=max_attempts
     )
-
-
-def _sandboxed_processes(root: Path) -> set[int]:
-    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
-    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
-                found.add(int(entry))
-    return found
 
 
 def _script(fixes: dict[str, str], *, never_submit: bool = False, hang: bool = False) -> Any:
@@ -171,7 +156,7 @@ async def test_a_hanging_harness_is_killed_at_the_agent_timeout(tmp_path: Path) 
             (AttemptStatus.FAILED, True)
         ]
         assert took < 30  # killed at the timeout, not at the mock's 60 s
-        assert _sandboxed_processes(tmp_path / "boxes") == set()
+        assert sandboxed_processes(tmp_path / "boxes") == set()
     assert not any((tmp_path / "boxes").iterdir())
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.sandboxes import sandboxed_processes
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "coding_agent"
 SMALL = [
@@ -27,21 +29,6 @@ SMALL = [
     "--set", "rl.max_wall_s=600", "--set", "rl.workers=8", "--set", "rl.tasks_per_step=2",
     "--set", "rl.samples_per_task=4", "--set", "rl.max_tokens=24",
 ]  # fmt: skip
-
-
-def _sandboxed_processes(root: Path) -> set[int]:
-    """Live processes of sandboxes under ``root``: the sandbox's environment marker, and ``root`` in their environment
-    (their TMPDIR is inside their sandbox), so sandboxes of other runs on the machine do not count."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if b"LIGHTNING_SANDBOX_ID=" in env and str(root).encode() in env:
-                found.add(int(entry))
-    return found
 
 
 def _wait(what: str, cond: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 240) -> None:
@@ -71,7 +58,7 @@ def test_sigkill_of_the_whole_run_then_restart_leaves_no_sandbox_and_no_process(
 
     first = _train(out, env, log)
     try:
-        _wait("sandboxed harness", lambda: len(dirs()) >= 2 and bool(_sandboxed_processes(boxes)), first)
+        _wait("sandboxed harness", lambda: len(dirs()) >= 2 and bool(sandboxed_processes(boxes)), first)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
     finally:
@@ -95,6 +82,6 @@ def test_sigkill_of_the_whole_run_then_restart_leaves_no_sandbox_and_no_process(
     assert second.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     assert dirs() == []
     deadline = time.monotonic() + 10  # a harness of the killed run reaped with SIGKILL is gone once its parent waits
-    while _sandboxed_processes(boxes) and time.monotonic() < deadline:
+    while sandboxed_processes(boxes) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _sandboxed_processes(boxes) == set()
+    assert sandboxed_processes(boxes) == set()
