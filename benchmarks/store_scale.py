@@ -16,7 +16,7 @@ What runs:
    response JSON carries about 3 bytes of text per token (~5.6 KB per call in all). Every attempt has the same token
    ids (a store does not look at them). A filled file is kept in ``--cache-dir`` and reused (its fill time is
    printed when it is made; the fixed code migrates an older file on open).
-2. **Training step** (what ``trainer/daemon.py`` does each step, through the store's API): on each file, 5 steps of
+2. **Training step** (what ``app/loop.py`` does each step, through the store's API): on each file, 5 steps of
    32 finished groups (8 rollouts x 4 calls, recorded through the API) with 16 more groups queued or running; per step
    ``finished_groups(limit=192)``, ``build_records`` of the 32 groups, ``consume_groups``, ``counts()`` and
    ``expire_leases()`` (these two read-only ones 9 times per step); the median per operation.
