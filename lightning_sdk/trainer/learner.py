@@ -224,7 +224,9 @@ class Learner:
         # (detached); with several it is computed once up front, so later updates have a ratio to clip.
         old = None if cfg.ppo_epochs * cfg.mini_batches == 1 else self._logprobs(batch)
         slices = _row_slices(batch.input_ids.shape[0], cfg.mini_batches)
-        updates = [self._update(batch, rows, old) for _ in range(cfg.ppo_epochs) for rows in slices]
+        # each slice's micro-batches (and shared prefixes) once, for every epoch
+        plans = [(rows, self._pieces(batch.input_ids[rows], batch.attention_mask[rows])) for rows in slices]
+        updates = [self._update(batch, rows, pieces, old) for _ in range(cfg.ppo_epochs) for rows, pieces in plans]
         self.scheduler.step()
         self.steps += 1
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "tokens"}
@@ -258,7 +260,13 @@ class Learner:
             out[rows, : width - 1] = logp.float().cpu()
         return out
 
-    def _update(self, batch: TrainBatch, subset: list[int], old_all: torch.Tensor | None) -> dict[str, float]:
+    def _update(
+        self,
+        batch: TrainBatch,
+        subset: list[int],
+        pieces: list[tuple[list[int], int]],
+        old_all: torch.Tensor | None,
+    ) -> dict[str, float]:
         """One optimizer update on the rows ``subset`` of ``batch`` (gradients accumulated over micro-batches)."""
         cfg = self.config
         n_tokens = float(batch.loss_mask[subset][:, 1:].sum().item())
@@ -267,7 +275,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "is_weight": 0.0, "kl_ref": 0.0, "rollout_kl": 0.0}
         extra: dict[str, float] = {}
-        for local, prefix in self._pieces(batch.input_ids[subset], batch.attention_mask[subset]):
+        for local, prefix in pieces:
             rows = [subset[i] for i in local]
             ids = batch.input_ids[rows].to(self.device)
             attn = batch.attention_mask[rows].to(self.device)

@@ -173,7 +173,8 @@ def test_precomputed_old_logprobs_give_the_single_update(policy_dir: Path) -> No
     a = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
     b = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1))
     ra = a.update(batch)
-    rb = b._update(batch, list(range(batch.input_ids.shape[0])), b._logprobs(batch))
+    pieces = b._pieces(batch.input_ids, batch.attention_mask)
+    rb = b._update(batch, list(range(batch.input_ids.shape[0])), pieces, b._logprobs(batch))
     assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-5)
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
