@@ -40,6 +40,10 @@ print(json.dumps({"passed": passed, "failed": failed}))
 TEST_TIMEOUT_S = 20.0
 REPLAY_CMD_TIMEOUT_S = 10.0  # coder.py's --cmd-timeout
 TURN_REWARD = "tests_fixed"  # the name of the per-call rewards
+# each replayed command runs as coder.py runs it, ``bash -c CMD`` under a parent of its own that is not the worker:
+# ``$PPID`` there is a throwaway ``sh`` (in coder.py it is coder.py), never the trainer (``exit`` keeps sh from
+# exec'ing bash in its place)
+REPLAY_SHELL = ["sh", "-c", 'bash -c "$1"; exit $?', "replay"]
 
 
 def submitted(stdout: str) -> bool:
@@ -128,7 +132,7 @@ async def turn_rewards(
                 continue
             commands, submits = bash_commands(call)
             for cmd in commands:
-                await replay.exec(["bash", "-c", cmd], timeout=REPLAY_CMD_TIMEOUT_S)
+                await replay.exec([*REPLAY_SHELL, cmd], timeout=REPLAY_CMD_TIMEOUT_S)
             now = _code(replay.snapshot()) if commands else code
             if now != code:
                 code = now

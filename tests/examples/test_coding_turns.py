@@ -10,6 +10,7 @@ FAIL_TO_PASS tests pass; the records built with per-turn credit give that call's
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ async def test_the_fixing_call_gets_the_per_turn_reward_and_its_tokens_the_extra
         per_call = {(w.name, w.call_id, w.value) for w in rewards if w.call_id is not None}
         assert per_call == {(verify.TURN_REWARD, calls[1].call_id, 1.0)}  # the sed call; not the grep call
         assert [(w.call_id, w.value) for w in rewards if w.call_id is None] == [(None, 1.0)]
+        assert (rewards[-1].call_id, rewards[-1].value) == (None, 1.0)  # the final one is last (app/loop.py reads it)
         reward, wrong_calls, rewards = attempts[wrong]
         assert reward == 0.0 and [(w.call_id, w.value) for w in rewards] == [(None, 0.0)]
 
@@ -201,3 +203,28 @@ def test_the_readme_command_selects_the_per_turn_agent() -> None:
     )
     assert turns.reward is verify.reward_turns or turns.reward.__name__ == "reward_turns"  # type: ignore[union-attr]
     assert plain.reward is not None and plain.reward.__name__ == "reward"
+
+
+async def test_the_replay_runs_each_command_under_a_parent_of_its_own(tmp_path: Path) -> None:
+    """A replayed command's ``$PPID`` is a throwaway shell, as coder.py is in the episode, never this process (a
+    ``kill $PPID`` replayed would otherwise hit the trainer): the fix below applies only when that holds, and only
+    then does its call get the per-call reward. Calls as the proxy records them (``Call`` with its response)."""
+    import os
+
+    from lightning_sdk.sandbox import LocalBackend
+
+    (task, fix), *_ = T.make_tasks_with_fixes("heldout", 1, seed=32)
+    guarded = f"test $PPID != {os.getpid()} && {T.fix_command(task, fix)}"
+
+    def call(n: int, cmd: str) -> Call:
+        tc = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": cmd})}}
+        message = {"role": "assistant", "content": None, "tool_calls": [tc]}
+        return Call(
+            call_id=f"call-{n}", attempt_id="a", rollout_id="r", seq=n, model="policy",
+            response={"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]},
+        )  # fmt: skip
+
+    backend = LocalBackend(root=str(tmp_path / "boxes"), max_sandboxes=2)
+    async with await backend.create(task["repo"], SandboxLimits(wall_s=60)) as box:
+        rewards = await verify.turn_rewards(task, [call(0, "echo $PPID"), call(1, guarded)], box)
+    assert rewards == {"call-1": 1.0}
