@@ -8,9 +8,11 @@ A sandbox that cannot be created or run raises ``SandboxError``: the attempt fai
 Per-turn rewards (opt-in: ``reward_turns``, used by ``agent_turns.py``): after a submitted episode the verifier
 replays the harness's ``bash`` commands, read from the attempt's calls in order, in a fresh sandbox holding the
 task's original repository. After each call's commands, if the code changed, it runs FAIL_TO_PASS + PASS_TO_PASS
-on a copy (as above; a state equal to the final repository reuses the final run); a call after which more
-FAIL_TO_PASS tests pass than after any earlier call gets ``emit_reward(newly_passing / len(FAIL_TO_PASS),
-call_id=...)``. The final reward stays 1.0 / 0.0.
+on a copy (as above; a state equal to the final repository reuses the final run). A state's progress is the
+number of FAIL_TO_PASS tests passing, 0 while any PASS_TO_PASS test fails; a call after which progress is higher
+than after every earlier call gets ``emit_reward(gain / len(FAIL_TO_PASS), "tests_fixed", call_id=...)``, so the
+per-call rewards of an episode sum to at most 1.0 (1.0 when it resolves the task). The final reward stays 1.0 /
+0.0.
 """
 
 from __future__ import annotations
@@ -115,12 +117,22 @@ def bash_commands(call: Call) -> tuple[list[str], bool]:
     return commands, False
 
 
+def progress(task: dict[str, Any], result: dict[str, Any]) -> int:
+    """How many FAIL_TO_PASS tests pass, counted only while every PASS_TO_PASS test passes (0 otherwise): a fix
+    that breaks other code is no progress, and a resolved repository has progress ``len(FAIL_TO_PASS)``."""
+    passed = set(result["passed"])
+    if not set(task["PASS_TO_PASS"]) <= passed:
+        return 0
+    return len(set(task["FAIL_TO_PASS"]) & passed)
+
+
 async def turn_rewards(
     task: dict[str, Any], calls: list[Call], sandbox: Sandbox, final: dict[str, Any] | None = None
 ) -> dict[str, float]:
     """Replay the calls' commands on the task's original repository (a fresh sandbox); ``{call_id: reward}`` for
-    each call after which more FAIL_TO_PASS tests pass than after every earlier one (the share newly passing).
-    ``final``: the test result of the attempt's final repository, reused for a replayed state equal to it."""
+    each call after which the repository's ``progress`` is higher than after every earlier call (the gain, as a
+    share of FAIL_TO_PASS). ``final``: the test result of the attempt's final repository, reused for a replayed
+    state equal to it."""
     wanted = task["FAIL_TO_PASS"]
     final_code = _code(sandbox.snapshot()) if final is not None else None
     out: dict[str, float] = {}
@@ -137,7 +149,7 @@ async def turn_rewards(
             if now != code:
                 code = now
                 result = final if final is not None and now == final_code else await run_tests(task, replay)
-                passing = len(set(wanted) & set(result["passed"]))
+                passing = progress(task, result)
                 if passing > best:
                     out[call.call_id] = (passing - best) / len(wanted)
                     best = passing

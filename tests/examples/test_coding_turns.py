@@ -205,6 +205,41 @@ def test_the_readme_command_selects_the_per_turn_agent() -> None:
     assert plain.reward is not None and plain.reward.__name__ == "reward"
 
 
+def _call(n: int, cmd: str) -> Call:
+    """A call as the proxy records it: its response carries one ``bash`` tool call."""
+    tc = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": cmd})}}
+    message = {"role": "assistant", "content": None, "tool_calls": [tc]}
+    return Call(
+        call_id=f"call-{n}", attempt_id="a", rollout_id="r", seq=n, model="policy",
+        response={"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]},
+    )  # fmt: skip
+
+
+async def test_a_fix_that_breaks_other_tests_is_no_progress_until_they_pass_again(tmp_path: Path) -> None:
+    """Call 0 fixes the bug and breaks a neighbour (its PASS_TO_PASS tests fail): no reward. Call 1 edits
+    nothing that matters (a comment) while the neighbour is still broken: none. Call 2 repairs the neighbour: the
+    whole 1.0 goes to it."""
+    from lightning_sdk.sandbox import LocalBackend
+
+    (task, fix), *_ = T.make_tasks_with_fixes("heldout", 1, seed=33)
+    neighbour, path = task["neighbours"][0], task["path"]
+    broken = f"{T.fix_command(task, fix)} && printf '\\ndef {neighbour}(*a, **k):\\n    return \"broken\"\\n' >> {path}"
+    repair = f"sed -i '/^def {neighbour}(\\*a/,$d' {path}"
+    calls = [_call(0, broken), _call(1, f"echo '# note' >> {path}"), _call(2, repair)]
+    backend = LocalBackend(root=str(tmp_path / "boxes"), max_sandboxes=2)
+    async with await backend.create(task["repo"], SandboxLimits(wall_s=60)) as box:
+        rewards = await verify.turn_rewards(task, calls, box)
+        results = []
+        for call in calls:  # the states themselves: after call 0 the bug is fixed and a neighbour broken
+            await box.exec([*verify.REPLAY_SHELL, verify.bash_commands(call)[0][0]], timeout=10)
+            results.append(await verify.run_tests(task, box))
+        final = results[-1]
+    assert set(task["FAIL_TO_PASS"]) <= set(results[0]["passed"])
+    assert any(t.endswith(tuple(f"test_{neighbour}_{i}" for i in range(9))) for t in results[0]["failed"])
+    assert rewards == {"call-2": 1.0}
+    assert verify.progress(task, final) == len(task["FAIL_TO_PASS"]) and not final["failed"]
+
+
 async def test_the_replay_runs_each_command_under_a_parent_of_its_own(tmp_path: Path) -> None:
     """A replayed command's ``$PPID`` is a throwaway shell, as coder.py is in the episode, never this process (a
     ``kill $PPID`` replayed would otherwise hit the trainer): the fix below applies only when that holds, and only
@@ -216,15 +251,7 @@ async def test_the_replay_runs_each_command_under_a_parent_of_its_own(tmp_path: 
     (task, fix), *_ = T.make_tasks_with_fixes("heldout", 1, seed=32)
     guarded = f"test $PPID != {os.getpid()} && {T.fix_command(task, fix)}"
 
-    def call(n: int, cmd: str) -> Call:
-        tc = {"id": f"c{n}", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": cmd})}}
-        message = {"role": "assistant", "content": None, "tool_calls": [tc]}
-        return Call(
-            call_id=f"call-{n}", attempt_id="a", rollout_id="r", seq=n, model="policy",
-            response={"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]},
-        )  # fmt: skip
-
     backend = LocalBackend(root=str(tmp_path / "boxes"), max_sandboxes=2)
     async with await backend.create(task["repo"], SandboxLimits(wall_s=60)) as box:
-        rewards = await verify.turn_rewards(task, [call(0, "echo $PPID"), call(1, guarded)], box)
+        rewards = await verify.turn_rewards(task, [_call(0, "echo $PPID"), _call(1, guarded)], box)
     assert rewards == {"call-1": 1.0}
