@@ -16,7 +16,14 @@ the worker, for Python programs that need the same environment). Any other brace
 
 The reward comes from ``reward(task, stdout, exit_code)`` when given, or from the program itself through the reward
 endpoint. A non-zero exit fails the attempt (with the stderr tail) unless ``fail_on_error=False``, in which case the
-reward function scores it. On timeout, cancellation or exit the whole process group is killed (SIGTERM, then
+reward function scores it. The reward function runs as the attempt, so ``emit_reward`` inside it records on the
+attempt. Per-call (per-turn) rewards: a reward function with a keyword parameter ``calls``
+(``reward(task, stdout, exit_code, sandbox, *, calls)``) is also given the attempt's answered calls in order
+(``lightning_sdk.types.Call``: ``call_id``, ``seq``, the ``request`` and the ``response`` with its tool calls),
+read from the proxy (``GET /lightning/v1/calls``) after the program exited; ``emit_reward(v, call_id=c.call_id)``
+gives one of them a reward, which the per-turn advantage estimators use (``records/build.py``). Reading them
+costs one request per attempt, only for a reward that asks for them; a failure to read them fails the attempt
+(retried), never scores it. On timeout, cancellation or exit the whole process group is killed (SIGTERM, then
 SIGKILL after ``kill_grace_s``), so grandchildren cannot outlive their attempt.
 """
 
@@ -39,17 +46,18 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sdk.agent._base import AttemptOutcome, format_exception, reward_value, tail
-from lightning_sdk.agent._context import AttemptContext
+from lightning_sdk.agent._context import AttemptContext, context_for
 from lightning_sdk.agent._llm import LLM
-from lightning_sdk.errors import ConfigError
+from lightning_sdk.agent._server_client import ServerClient
+from lightning_sdk.errors import ConfigError, LightningSDKError
 from lightning_sdk.sandbox import Sandbox, SandboxError, SandboxSpec
-from lightning_sdk.types import Task
+from lightning_sdk.types import Call, Task
 
-__all__ = ["CommandAgent", "CommandResult", "RewardFn"]
+__all__ = ["CommandAgent", "CommandResult", "RewardFn", "attempt_calls"]
 
 RewardFn = Callable[..., Any]
 """``reward(task, stdout, exit_code) -> float | None`` or, with a sandbox, ``reward(task, stdout, exit_code,
-sandbox)`` (may be async)."""
+sandbox)`` (may be async); either may add a keyword parameter ``calls`` to be given the attempt's calls."""
 
 
 class CommandResult:
@@ -186,6 +194,7 @@ class CommandAgent:
         self.kill_grace_s = kill_grace_s
         self.name = name or Path(args[0]).name
         self.sandbox = SandboxSpec.from_config(sandbox) if isinstance(sandbox, Mapping) else sandbox
+        self._reward_takes_calls = self.reward is not None and _takes_calls(self.reward)
         self._reward_takes_sandbox = self.reward is not None and _n_positional(self.reward) >= 4
         if self._reward_takes_sandbox and self.sandbox is None:
             raise ConfigError("a reward(task, stdout, exit_code, sandbox) needs the command agent's sandbox")
@@ -355,13 +364,20 @@ class CommandAgent:
             )
         if self.reward is None:
             return AttemptOutcome("succeeded", output=tail(result.stdout))
+        args: list[Any] = [ctx.task, result.stdout, result.exit_code]
+        if self._reward_takes_sandbox:
+            args.append(box)
+        kwargs: dict[str, Any] = {}
+        if self._reward_takes_calls:
+            try:
+                kwargs["calls"] = await attempt_calls(ctx)
+            except LightningSDKError as exc:  # the proxy could not say: fail (retried), never score without them
+                return AttemptOutcome("failed", error=f"reading the attempt's calls: {exc}", output=tail(result.stdout))
+        context = context_for(ctx)  # the reward runs as the attempt: its emit_reward calls record on it
         try:
-            if self._reward_takes_sandbox:
-                value = self.reward(ctx.task, result.stdout, result.exit_code, box)
-            else:
-                value = self.reward(ctx.task, result.stdout, result.exit_code)
+            value = context.run(self.reward, *args, **kwargs)
             if inspect.isawaitable(value):
-                value = await value
+                value = await asyncio.get_running_loop().create_task(_awaited(value), context=context)
             reward = reward_value(value, f"reward function of {self.name}")
         except SandboxError:
             raise
@@ -370,7 +386,8 @@ class CommandAgent:
         return AttemptOutcome("succeeded", reward=reward, output=tail(result.stdout))
 
     def __call__(self, task: Task, llm: LLM) -> float | None:
-        """Run once as plain code (outside training): returns the reward function's value (None without one)."""
+        """Run once as plain code (outside training): returns the reward function's value (None without one; a
+        reward that takes ``calls`` gets none, there being no proxy)."""
         if self.sandbox is not None:
             raise ConfigError("a command agent with a sandbox runs through a worker (run_attempt), not as plain code")
         result = asyncio.run(self.execute(task, llm, timeout=self.timeout))
@@ -380,21 +397,48 @@ class CommandAgent:
             raise ConfigError(f"{self.name} exited with code {result.exit_code}: {tail(result.stderr, 2000)}")
         if self.reward is None:
             return None
-        value = self.reward(task, result.stdout, result.exit_code)
+        extra: dict[str, Any] = {"calls": []} if self._reward_takes_calls else {}  # no proxy here: no calls
+        value = self.reward(task, result.stdout, result.exit_code, **extra)
         if inspect.isawaitable(value):
             raise ConfigError("an async reward function needs the async API (CommandAgent.execute)")
         return reward_value(value, "reward function")
 
 
 def _n_positional(fn: Callable[..., Any]) -> int:
-    """How many positional arguments ``fn`` accepts (a ``*args`` counts as many)."""
+    """How many positional arguments ``fn`` accepts (a ``*args`` counts as many; a ``calls`` parameter does not:
+    it is passed by keyword)."""
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return 3
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return 99
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "calls" for p in params)
+
+
+def _takes_calls(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` names a ``calls`` parameter that can be passed by keyword (``**kwargs`` alone does not)."""
+    try:
+        param = inspect.signature(fn).parameters.get("calls")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.kind in (param.KEYWORD_ONLY, param.POSITIONAL_OR_KEYWORD)
+
+
+async def attempt_calls(ctx: AttemptContext) -> list[Call]:
+    """The attempt's answered calls in ``seq`` order, from the proxy that serves it (``GET /lightning/v1/calls``
+    with the attempt token, which waits for the attempt's requests in flight): what a per-call reward needs."""
+    if not ctx.server_url:
+        raise LightningSDKError(f"attempt {ctx.attempt_id} has no proxy URL to read its calls from")
+    client = ServerClient(ctx.server_url)
+    try:
+        return await client.calls(ctx.llm.api_key)
+    finally:
+        await client.close()
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
 
 
 async def _read_all(stream: asyncio.StreamReader) -> bytes:

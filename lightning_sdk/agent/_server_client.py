@@ -1,4 +1,4 @@
-"""The two attempt-token endpoints a worker calls on the proxy/daemon: ``reward`` and ``finish``.
+"""The attempt-token endpoints a worker calls on the proxy/daemon: ``reward``, ``finish`` and ``calls``.
 
 ``finish`` is the durability barrier: the server answers only after every call and reward of the attempt is
 committed, so the worker always ends an attempt through it (never by writing the store behind the proxy's back,
@@ -15,6 +15,7 @@ import httpx
 
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import AttemptNotRunningError, AuthError, LightningSDKError, StoreUnavailableError
+from lightning_sdk.types import Call
 
 __all__ = ["ServerClient"]
 
@@ -46,29 +47,48 @@ class ServerClient:
             body["error"] = error
         await self._post("/lightning/v1/finish", token, body)
 
+    async def calls(self, token: str) -> list[Call]:
+        """The attempt's answered calls in order (``GET /lightning/v1/calls``, once its requests in flight are done)."""
+        resp = await self._send("GET", "/lightning/v1/calls", token, None)
+        try:
+            data = resp.json()
+            calls = [Call.model_validate(c) for c in data["calls"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise LightningSDKError(f"GET {self.server_url}/lightning/v1/calls: unexpected answer ({exc})") from exc
+        if data.get("inflight"):
+            logger.warning(
+                "attempt %s: %s requests in flight are not among its calls", data.get("attempt_id"), data["inflight"]
+            )
+        return sorted(calls, key=lambda c: c.seq)
+
     async def _post(self, path: str, token: str, body: dict[str, Any]) -> None:
+        await self._send("POST", path, token, body)
+
+    async def _send(self, method: str, path: str, token: str, body: dict[str, Any] | None) -> httpx.Response:
         url = f"{self.server_url}{path}"
 
         async def one_try() -> httpx.Response:
-            resp = await self._http.post(url, json=body, headers={"Authorization": f"Bearer {token}"})
+            resp = await self._http.request(method, url, json=body, headers={"Authorization": f"Bearer {token}"})
             if resp.status_code >= 500:
                 raise TransientAnswer(resp, f"HTTP {resp.status_code}")
             return resp
 
         try:
-            resp = await retry(one_try, policy=self._retry, retry_if=_retryable, what=f"POST {url}")
+            resp = await retry(one_try, policy=self._retry, retry_if=_retryable, what=f"{method} {url}")
         except httpx.TransportError as exc:
-            raise StoreUnavailableError(f"POST {url} failed after {self._retry.retries + 1} tries: {exc!r}") from exc
+            raise StoreUnavailableError(
+                f"{method} {url} failed after {self._retry.retries + 1} tries: {exc!r}"
+            ) from exc
         except TransientAnswer as exc:
             resp = exc.answer
         if resp.status_code < 300:
-            return
+            return resp
         detail = resp.text[:500]
         if resp.status_code == 401:
-            raise AuthError(f"POST {url}: unknown attempt token ({detail})")
+            raise AuthError(f"{method} {url}: unknown attempt token ({detail})")
         if resp.status_code == 409:
-            raise AttemptNotRunningError(f"POST {url}: the attempt is no longer running ({detail})")
-        raise LightningSDKError(f"POST {url} answered {resp.status_code}: {detail}")
+            raise AttemptNotRunningError(f"{method} {url}: the attempt is no longer running ({detail})")
+        raise LightningSDKError(f"{method} {url} answered {resp.status_code}: {detail}")
 
     async def close(self) -> None:
         if self._owns_http:

@@ -3,7 +3,13 @@ config, and the warm start that teaches it the format. Any HF causal-LM director
 
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer, chat_template, save_tokenizer
-from lightning_sdk.policy.warm_start import WarmStartConfig, WarmStartResult, render_demonstration, warm_start
+from lightning_sdk.policy.warm_start import (
+    WarmStartConfig,
+    WarmStartResult,
+    render_demonstration,
+    render_demonstration_rows,
+    warm_start,
+)
 
 __all__ = [
     "TinyPolicyConfig",
@@ -14,6 +20,7 @@ __all__ = [
     "chat_template",
     "load_policy",
     "render_demonstration",
+    "render_demonstration_rows",
     "save_tokenizer",
     "warm_start",
 ]

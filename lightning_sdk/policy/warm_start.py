@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.errors import TokenizationError
 
-__all__ = ["WarmStartConfig", "WarmStartResult", "render_demonstration", "warm_start"]
+__all__ = ["WarmStartConfig", "WarmStartResult", "render_demonstration", "render_demonstration_rows", "warm_start"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,26 +66,77 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any
     return [int(i) for i in out]
 
 
-def render_demonstration(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any = None
+def _render_text(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any, gen: bool) -> str:
+    out: Any = tokenizer.apply_chat_template(
+        list(messages), tools=tools or None, add_generation_prompt=gen, tokenize=False
+    )
+    return str(out)
+
+
+def _turn_tokens(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any, k: int
 ) -> tuple[list[int], list[int]]:
-    """Token ids of a whole conversation and its loss mask (1 on assistant tokens up to their EOS)."""
-    ids = _render(tokenizer, messages, tools, gen=False)
-    mask = [0] * len(ids)
+    """Assistant turn ``k`` as the policy meets it: the generation prompt's ids and the turn's own ids up to EOS.
+
+    Where the template's rendering of the whole turn starts with the prompt's ids, the turn is the rest of it; where
+    the tokenizer merges the turn's first characters with the prompt's last (``"\\n"`` + ``"I"`` -> ``"\\nI"``), the
+    turn's text is tokenised on its own, as the policy would sample it after that prompt."""
+    prompt = _render(tokenizer, messages[:k], tools, gen=True)
+    whole = _render(tokenizer, messages[: k + 1], tools, gen=False)
+    if whole[: len(prompt)] == prompt:
+        turn = whole[len(prompt) :]
+    else:
+        head = _render_text(tokenizer, messages[:k], tools, gen=True)
+        text = _render_text(tokenizer, messages[: k + 1], tools, gen=False)
+        if not text.startswith(head):
+            raise TokenizationError(
+                f"the chat template renders assistant turn {k} after a text that is not its generation prompt"
+            )
+        turn = [int(i) for i in tokenizer.encode(text[len(head) :], add_special_tokens=False)]
     eos = tokenizer.eos_token_id
+    if eos in turn:
+        turn = turn[: turn.index(eos) + 1]
+    return prompt, turn
+
+
+def render_demonstration_rows(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any = None
+) -> list[tuple[list[int], list[int]]]:
+    """A conversation as training rows of (token ids, loss mask): 1 on assistant tokens up to their EOS.
+
+    Each assistant turn is trained on exactly the tokens the policy would sample after the template's generation
+    prompt. Turns follow one another in one row while each prompt extends the row so far; a turn whose prompt does not
+    (the tokenizer merged across a turn boundary) starts a new row, as the record builder splits a rollout there."""
+    rows: list[tuple[list[int], list[int]]] = []
+    ids: list[int] = []
+    mask: list[int] = []
     for k, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:k], tools, gen=True))
-        end = len(_render(tokenizer, messages[: k + 1], tools, gen=False))
-        span = ids[start:end]
-        if eos in span:
-            end = start + span.index(eos) + 1
-        if ids[:end] != _render(tokenizer, messages[: k + 1], tools, gen=False)[:end]:
-            raise TokenizationError("the chat template does not render conversations prefix by prefix")
-        for t in range(start, end):
-            mask[t] = 1
-    return ids, mask
+        prompt, turn = _turn_tokens(tokenizer, messages, tools, k)
+        if ids and prompt[: len(ids)] != ids:
+            rows.append((ids, mask))
+            ids, mask = [], []
+        mask += [0] * (len(prompt) - len(ids)) + [1] * len(turn)
+        ids = prompt + turn
+    if ids:
+        rows.append((ids, mask))
+    return rows
+
+
+def render_demonstration(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]], tools: Any = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of a whole conversation and its loss mask (1 on assistant tokens up to their EOS).
+
+    Raises ``TokenizationError`` where the conversation does not fit one row (``render_demonstration_rows``)."""
+    rows = render_demonstration_rows(tokenizer, messages, tools)
+    if len(rows) != 1:
+        raise TokenizationError(
+            f"the conversation renders as {len(rows)} rows (the tokenizer merges across a turn boundary); "
+            "use render_demonstration_rows"
+        )
+    return rows[0]
 
 
 def warm_start(
@@ -104,7 +155,7 @@ def warm_start(
     """
     cfg = config or WarmStartConfig()
     t0 = time.perf_counter()
-    rows = [render_demonstration(tokenizer, d["messages"], d.get("tools")) for d in demonstrations]
+    rows = [row for d in demonstrations for row in render_demonstration_rows(tokenizer, d["messages"], d.get("tools"))]
     rng = random.Random(cfg.seed)
     device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)

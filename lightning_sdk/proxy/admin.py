@@ -10,6 +10,11 @@ Shapes (the contract)::
                                  -> {"rollout_id", "attempt_id", "status", "calls", "calls_failed",
                                      "calls_not_recorded", "rewards_not_recorded", "inflight": {"waited_s",
                                      "aborted"}, "error"?}   (after every call is committed: see Proxy.end_attempt)
+    GET  /lightning/v1/calls     -> {"rollout_id", "attempt_id", "calls": [{"call_id", "seq", "request", "response",
+                                     "prompt_ids", "completion_ids", ...}], "inflight": int}
+                                 (the attempt's answered calls in ``seq`` order, once the requests of it in flight
+                                 are done, waiting at most as long as ``finish`` would; a failed call is left out;
+                                 for a reward function that gives per-call rewards: ``CommandAgent``'s ``calls``)
     POST /lightning/v1/sessions  {"task": {...}?, "group": str?, "split": str?}
                                  -> {"rollout_id", "attempt_id", "token", "base_url", "group", "split"}
                                  (split ``traced`` unless split and group are given: traced, never trained)
@@ -24,6 +29,8 @@ The admin key is sent as ``Authorization: Bearer <admin key>`` (like the store's
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import math
 from typing import TYPE_CHECKING, Any
@@ -47,6 +54,7 @@ TRACED_SPLIT = "traced"
 """The split of a hand-opened session that names no split and group: traced (exported), never trained."""
 
 _JSON = "application/json"
+_EVERY_SEQ = 1 << 62
 
 
 def _ok(data: Any, status: int = 200) -> Response:
@@ -178,6 +186,25 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
         return _ok(await proxy.end_attempt(state, AttemptStatus(status), error))
 
     @handler
+    async def attempt_calls(request: Request) -> Response:
+        state = await proxy.attempts.resolve(proxy.token_of(request))
+        wait_s = proxy.config.finish_timeout_s
+        # a call is in ``state`` once its request is over (it is recorded right after answering); after the wait,
+        # what is done is answered and "inflight" says how many requests are not
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), proxy.config.call_timeout_s if wait_s is None else wait_s)
+        a = state.attempt
+        calls = await state.earlier_calls(proxy.store, _EVERY_SEQ)  # loads the store's own when not held here
+        return _ok(
+            {
+                "rollout_id": a.rollout_id,
+                "attempt_id": a.attempt_id,
+                "calls": [call_json(c) for c in calls],
+                "inflight": state.inflight,
+            }
+        )
+
+    @handler
     async def sessions(request: Request) -> Response:
         check_admin(request)
         data = await body_object(request)
@@ -238,6 +265,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
     token_routes: list[BaseRoute] = [
         Route("/lightning/v1/reward", reward, methods=["POST"]),
         Route("/lightning/v1/finish", finish, methods=["POST"]),
+        Route("/lightning/v1/calls", attempt_calls, methods=["GET"]),
     ]
     if token_routes_only:
         return token_routes

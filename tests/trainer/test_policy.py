@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lightning_sdk.errors import TokenizationError
 from lightning_sdk.policy.model import load_policy
-from lightning_sdk.policy.warm_start import WarmStartConfig, render_demonstration, warm_start
+from lightning_sdk.policy.warm_start import WarmStartConfig, render_demonstration, render_demonstration_rows, warm_start
 from lightning_sdk.tokens import ChatRenderer, get_parser
 from tests.trainer.tiny import build_small_policy, calc_tasks
 
@@ -94,3 +95,46 @@ def test_warm_start_stops_on_measured_success(policy_dir: Path) -> None:
     result = warm_start(model, tok, demos, evaluate, cfg)
     assert result.steps == 4 and result.success == 0.5
     assert result.history == [(2, 0.0), (4, 0.5)]
+
+
+def test_a_turn_merged_with_the_template_newline_is_trained_from_its_first_token(policy_dir: Path) -> None:
+    """The BPE merges ``"\\n"`` + ``"<"`` into one token, so the full render's ids do not start with the generation
+    prompt's: the turn must still be trained on the tokens the policy samples after that prompt, first one included
+    (the old mask started at len(prompt) in the merged render and silently skipped it)."""
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    merged = [t for t in tok.get_vocab() if t.startswith("Ċ<")]
+    assert merged, "the tiny tokenizer is expected to merge a newline with '<'"
+    messages = [
+        {"role": "user", "content": "what is 2 + 2?"},
+        {"role": "assistant", "content": "<b>4</b>"},
+        {"role": "user", "content": "and 3 + 3?"},
+        {"role": "assistant", "content": "<b>6</b>"},
+    ]
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=False)
+    whole = tok.apply_chat_template(messages[:2], tokenize=True, return_dict=False)
+    assert whole[: len(prompt)] != prompt  # the merge this test is about
+    rows = render_demonstration_rows(tok, messages)
+    trained = [
+        tok.decode([i for i, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False) for ids, mask in rows
+    ]
+    assert "".join(trained) == "<b>4</b><|im_end|><b>6</b><|im_end|>"
+    first_ids, first_mask = rows[0]
+    assert first_ids[: len(prompt)] == prompt and first_mask[len(prompt)] == 1
+    for ids, mask in rows:  # each row is a generation prompt followed by sampled tokens only
+        start = mask.index(1)
+        assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n")
+    assert len(rows) == 2  # the second turn's prompt holds the first turn as the template renders it (merged)
+    with pytest.raises(TokenizationError, match="2 rows"):
+        render_demonstration(tok, messages)
+
+
+def test_demonstration_rows_match_the_single_row_when_nothing_merges(policy_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    tasks = calc_tasks()
+    demo = tasks.demonstration(tasks.make_tasks(1, "train", seed=4)[0])
+    rows = render_demonstration_rows(tok, demo["messages"], demo["tools"])
+    assert len(rows) == 1
+    assert rows[0] == render_demonstration(tok, demo["messages"], demo["tools"])
+    full = tok.apply_chat_template(demo["messages"], tools=demo["tools"], tokenize=True, return_dict=False)
+    ids, _ = rows[0]
+    assert full[: len(ids)] == ids  # the whole conversation up to the last EOS
