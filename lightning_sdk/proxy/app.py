@@ -217,7 +217,7 @@ class Proxy:
             if task is not None:
                 state.tasks.add(task)
             if self.config.cancel_on_disconnect:
-                watch = _HangUpWatch(receive, self.config.hang_up_watch_after_s)
+                watch = _HangUpWatch(receive, self.config.hang_up_watch_after_s, task)
             try:
                 if body.get("stream"):
                     if chat:
@@ -528,10 +528,10 @@ class _HangUpWatch:
 
     __slots__ = ("_active", "_fut", "_task", "_timer", "gone")
 
-    def __init__(self, receive: Receive, after_s: float) -> None:
+    def __init__(self, receive: Receive, after_s: float, task: asyncio.Task[Any] | None = None) -> None:
         self.gone = False
         self._active = True
-        self._task = asyncio.current_task()
+        self._task = task if task is not None else asyncio.current_task()  # the task serving the request
         self._fut: asyncio.Future[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         if after_s > 0:

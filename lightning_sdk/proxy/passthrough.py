@@ -188,17 +188,20 @@ class PassthroughBackend:
 
     # -- the PolicyBackend interface -----------------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
-        await self._check_ready()
+        if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
+            await self._check_ready()
         data = await self._post_json("/chat/completions", self._upstream_body(body, stream=False))
         return self._result(body, data, _read(chat_tokens, data), ctx)
 
     async def completions(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
-        await self._check_ready()
+        if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
+            await self._check_ready()
         data = await self._post_json("/completions", self._upstream_body(body, stream=False))
         return self._result(body, data, _read(completion_tokens, data), ctx)
 
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
-        await self._check_ready()
+        if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
+            await self._check_ready()
         asm = ChatStreamAssembler()
         async for item in self._stream("/chat/completions", body, asm):
             yield item
@@ -206,7 +209,8 @@ class PassthroughBackend:
         yield self._result(body, full, _read(chat_tokens, full), ctx)
 
     async def completions_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
-        await self._check_ready()
+        if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
+            await self._check_ready()
         asm = CompletionStreamAssembler()
         async for item in self._stream("/completions", body, asm):
             yield item
