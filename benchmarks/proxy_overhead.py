@@ -420,7 +420,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print("\nthe lightning proxy's CPU ms per request: event-loop thread + other threads (the store's writer)")
     for name, ph in rows:
         p = ph["proxy"]
-        print(f"{name:<11}{p.main_ms:.3f} + {p.cpu_ms - p.main_ms:.3f} = {p.cpu_ms:.3f}")
+        print(f"{name:<11}{p.main_ms:.3f} + {max(p.cpu_ms - p.main_ms, 0.0):.3f} = {p.cpu_ms:.3f}")
     print(f"\nthe mock engine's ({mock_kind}) CPU ms per request in each phase (the proxy asks for ids and log-probs):")
     for name, ph in rows:
         print(f"{name:<11}" + "".join(f"{label} {ph[label].mock_ms:.3f}   " for label in ph))

@@ -117,7 +117,11 @@ class Proxy:
         self.config = config or ProxyConfig()
         self.recorder = Recorder(store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch)
         self.attempts = AttemptCache(
-            store, ttl_s=self.config.token_ttl_s, busy=lambda attempt_id: self.recorder.pending_for(attempt_id) > 0
+            store,
+            ttl_s=self.config.token_ttl_s,
+            busy=lambda attempt_id: self.recorder.pending_for(attempt_id) > 0,
+            keep_calls=bool(getattr(policy_backend, "reads_earlier_calls", True)),
+            settle=self.recorder.settle,
         )
         self._policy_names = frozenset(self.config.policy_models or ())
         self._version: tuple[float, int | None] = (-1e9, None)

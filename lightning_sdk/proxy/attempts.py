@@ -11,6 +11,13 @@ first, the calls of an idle entry are *shed*: read again from the store if a lat
 ``seq`` counter, split and barrier state stay), and at most ``max_light`` entries are kept in all. So a request
 costs the same with 10 or 10,000 running attempts: its entry is found in a dict, never rebuilt from the store.
 
+Whether an entry keeps its finished calls at all: with ``keep_calls`` (the default; token mode reads the earlier
+calls of every call) from the start; without (the passthrough backend never reads them) only from the first time
+something asks for them (a Responses/Messages call, a per-call reward for a call of an earlier process): the
+entry then waits until the recorder has committed what it holds for the attempt (``settle``), reads the calls from
+the store and keeps the later ones. A long passthrough attempt thus holds no calls in memory, which the garbage
+collector would otherwise walk again and again (about a dozen tracked objects per call).
+
 The barrier of ``finish`` rests on three rules kept here:
 
 * a request is counted in flight (``enter``) in the same step as the check that its attempt is running, with no
@@ -26,7 +33,7 @@ import asyncio
 import bisect
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from lightning_sdk.errors import AttemptNotRunningError, AuthError
 from lightning_sdk.store.base import Store
@@ -41,12 +48,14 @@ class AttemptState:
     __slots__ = (
         "_inflight",
         "_load_lock",
+        "_settle",
         "attempt",
         "call_ids",
         "calls",
         "checked_at",
         "closing",
         "idle",
+        "keep",
         "loaded",
         "n_calls",
         "n_errors",
@@ -56,11 +65,20 @@ class AttemptState:
         "tasks",
     )
 
-    def __init__(self, attempt: Attempt, checked_at: float) -> None:
+    def __init__(
+        self,
+        attempt: Attempt,
+        checked_at: float,
+        *,
+        keep: bool = True,
+        settle: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         self.attempt = attempt
         self.checked_at = checked_at
         self.next_seq = 0
-        self.calls: list[Call] = []  # finished calls of this attempt, in seq order
+        self.calls: list[Call] = []  # finished calls of this attempt, in seq order (while ``keep``)
+        self.keep = keep  # finished calls are kept in ``calls`` (else: from the first read of them on)
+        self._settle = settle  # waits until the recorder committed what it holds for an attempt
         self.call_ids: set[str] = set()  # every call id handed out for this attempt in this process (per-call rewards)
         self.loaded = False  # the store's calls of this attempt are in ``calls``
         self.numbered = False  # ``next_seq`` and ``split`` know the store (kept when the calls are shed)
@@ -101,7 +119,7 @@ class AttemptState:
     async def take_seq(self, store: Store) -> int:
         """The ``seq`` of a new call (continuing what the store has, the first time)."""
         if not self.numbered:
-            await self._load(store)
+            await self._load(store, calls=False)
         seq = self.next_seq
         self.next_seq += 1
         return seq
@@ -120,6 +138,8 @@ class AttemptState:
         return any(c.call_id == call_id for c in self.calls)
 
     def add_call(self, call: Call) -> None:
+        if not self.keep:  # nobody reads them (yet): the store has them once the recorder commits them
+            return
         if not self.calls or self.calls[-1].seq < call.seq:
             self.calls.append(call)
         else:  # calls of one attempt may finish out of order
@@ -131,18 +151,26 @@ class AttemptState:
         self.calls = []
         self.loaded = False
 
-    async def _load(self, store: Store) -> None:
+    async def _load(self, store: Store, *, calls: bool = True) -> None:
+        """Read the attempt's split, numbering and (``calls``, or when the entry keeps its calls) stored calls."""
         async with self._load_lock:
-            if self.loaded:
+            if self.loaded or (not calls and self.numbered):
                 return
+            if calls and not self.keep:
+                self.keep = True  # calls finishing from now on are kept (the merge below drops doubles)
+                if self._settle is not None:  # the earlier ones reach the store before it is read
+                    await self._settle(self.attempt.attempt_id)
             detail = await store.get_rollout(self.attempt.rollout_id)
             self.split = detail.rollout.split
             stored = [c for a in detail.attempts if a.attempt.attempt_id == self.attempt.attempt_id for c in a.calls]
             if stored:
-                ids = {c.call_id for c in stored}
-                self.calls = sorted(stored + [c for c in self.calls if c.call_id not in ids], key=lambda c: c.seq)
                 self.next_seq = max(self.next_seq, max(c.seq for c in stored) + 1)
-            self.loaded = self.numbered = True
+            self.numbered = True
+            if self.keep:
+                if stored:
+                    ids = {c.call_id for c in stored}
+                    self.calls = sorted(stored + [c for c in self.calls if c.call_id not in ids], key=lambda c: c.seq)
+                self.loaded = True
 
 
 class AttemptCache:
@@ -161,8 +189,12 @@ class AttemptCache:
         max_entries: int = 4096,
         max_light: int = 65536,
         busy: Callable[[str], bool] | None = None,
+        keep_calls: bool = True,
+        settle: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
+        self.keep_calls = keep_calls  # entries keep their finished calls from the start (else: once read)
+        self._settle = settle
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self.max_light = max(max_light, max_entries)
@@ -192,7 +224,7 @@ class AttemptCache:
                     self._drop(token)
                 raise AuthError("unknown attempt token")
             if state is None or state.attempt.attempt_id != attempt.attempt_id:
-                state = AttemptState(attempt, now)
+                state = AttemptState(attempt, now, keep=self.keep_calls, settle=self._settle)
                 self._by_token[token] = state
                 self._by_attempt[attempt.attempt_id] = token
             elif state.closing is None:  # a closed entry stays closed (the read may predate the finish)

@@ -13,6 +13,10 @@ methods are async generators that yield OpenAI chunk objects (dicts, or ``bytes`
 forwarded as is) and yield the call's ``ChatResult`` as their **last** item. A streamed call's ``ChatResult`` must be
 exactly what the same call would return unstreamed (apart from response ``id``/``created``).
 
+A backend that never calls ``ctx.earlier_calls()`` may say so with a class attribute ``reads_earlier_calls =
+False``: the proxy then keeps an attempt's finished calls in memory only once something else asks for them
+(``proxy/attempts.py``).
+
 Failures are raised as ``UpstreamError`` (``status_code`` 502 or 504) or ``UpstreamHTTPError`` (the engine refused
 the request, e.g. 400 context too long: its status and OpenAI error body are passed to the agent).
 """

@@ -99,6 +99,9 @@ class PassthroughBackend:
     ``Retry-After`` and ``upstream_state()`` (in ``/lightning/v1/health``) says ``waiting``.
     """
 
+    reads_earlier_calls = False
+    """The proxy need not keep each attempt's finished calls in memory for this backend (``proxy/attempts.py``)."""
+
     def __init__(self, config: PassthroughConfig | str, **overrides: Any) -> None:
         if isinstance(config, str):
             config = PassthroughConfig(upstream=config, **overrides)

@@ -140,6 +140,14 @@ class Recorder:
             self._done.pop(attempt_id, None)
         return self._failed.pop(attempt_id, None) or []
 
+    async def settle(self, attempt_id: str, timeout: float = 60.0) -> None:
+        """Wait until everything queued for ``attempt_id`` so far is written or given up on (before reading the
+        attempt's calls from the store). Unlike ``commit`` it keeps what could not be recorded for the barrier."""
+        try:
+            await asyncio.wait_for(self._wait_for(attempt_id, self._queued.get(attempt_id, 0)), timeout)
+        except TimeoutError as exc:
+            raise StoreUnavailableError(f"attempt {attempt_id}: calls not committed within {timeout}s") from exc
+
     def pending_for(self, attempt_id: str) -> int:
         """Items of ``attempt_id`` queued and not yet written."""
         return self._queued.get(attempt_id, 0) - self._done.get(attempt_id, 0)

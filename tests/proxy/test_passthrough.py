@@ -193,3 +193,30 @@ def test_calls_before_any_publication_record_policy_version_zero(px: ProxyHandle
     client.chat.completions.create(model="policy", messages=MESSAGES)  # type: ignore[arg-type]
     [call] = px.calls(s["rollout_id"])
     assert call["policy_version"] == 0
+
+
+def test_passthrough_keeps_an_attempts_calls_in_memory_only_once_they_are_read(px: ProxyHandle) -> None:
+    """The passthrough never reads earlier calls, so the proxy keeps none in memory (a long attempt would make the
+    garbage collector walk all of them again and again); the first read of them (here the attempt's calls route,
+    right after the last answer, while the recorder still holds the calls) waits for the recorder to commit them
+    and reads them from the store, and the calls after it are kept as before."""
+    s = px.session({"q": "kept"})
+    headers = {"Authorization": f"Bearer {s['token']}"}
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+
+    def one_call() -> str:
+        r = px.http.post("/v1/chat/completions", json=chat, headers=headers)
+        assert r.status_code == 200
+        return str(r.headers["x-lightning-call-id"])
+
+    ids = [one_call() for _ in range(3)]
+    state = px.app.proxy.attempts.state_of(s["attempt_id"])
+    assert state is not None and state.calls == [] and not state.keep
+    listed = px.http.get("/lightning/v1/calls", headers=headers).json()["calls"]
+    assert [(c["call_id"], c["seq"]) for c in listed] == [(i, n) for n, i in enumerate(ids)]
+    assert [c["completion_ids"][-1] for c in listed] == [EOS_ID] * 3
+    assert state.keep and [c.call_id for c in state.calls] == ids
+    ids.append(one_call())
+    assert [c.call_id for c in state.calls] == ids  # kept from the first read on
+    listed = px.http.get("/lightning/v1/calls", headers=headers).json()["calls"]
+    assert [c["call_id"] for c in listed] == ids
