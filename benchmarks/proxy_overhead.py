@@ -19,8 +19,14 @@ token. Reported: requests/s, the throughput ratios (minimal/direct, proxy/direct
 latency each proxy adds, and each proxy process's CPU milliseconds per request (user + system time from
 /proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included); the load average.
 
-The proxy asks the mock for ``return_token_ids`` and ``logprobs`` (it records them), so the mock does more work per
-proxied request than per direct or minimal one; that is part of what the proxy costs.
+The mock upstream answers from pre-encoded bytes (``canned_mock``: each distinct request body is answered once by
+``MockOpenAI`` and its reply bytes are kept; after that a request costs the mock a JSON parse of the body and one
+send, whether it asks for token ids and log-probs or not). A real engine's cost of adding ids and log-probs to a
+reply is a small part of generating it; the scripted mock (``--mock scripted``: starlette + stdlib ``json``,
+building every reply, including ~100 log-prob objects, in Python) spent about 2x the CPU on requests asking for
+them, which made the proxied phase (the proxy always asks) pay for the mock's own JSON building on the same two
+cores. Direct still means the same client talking to the same upstream, without the proxy; the direct+ids column
+shows direct requests asking for ids and log-probs (the fair comparison for the proxy's own cost).
 
 Targets on a 2-core box (issue 14): proxy CPU <= 0.15 ms/request and proxied throughput >= 0.5x direct at
 concurrency 32 (issue 2: p50 added <= 1 ms sequential). The Agent Lightning gateway is not part of this run (it
@@ -58,6 +64,7 @@ class Phase:
     p99: float
     mock_ms: float
     cpu_ms: float
+    main_ms: float = 0.0  # of which the main thread (the event loop); the rest: the store's writer thread
 
 
 _MOCK = """
@@ -65,7 +72,12 @@ import sys
 sys.path.insert(0, {root!r})
 from lightning_sdk.proxy.serve import serve
 from tests.support.mock_openai import MockOpenAI
-serve(MockOpenAI(record_requests=False).app, port={port})
+app = MockOpenAI(record_requests=False).app
+if {kind!r} == "canned":
+    sys.path.insert(0, {bench!r})
+    from proxy_overhead import canned_mock
+    app = canned_mock(app)
+serve(app, port={port}, tune_gc=False)  # the upstream as before; the proxies get serve's default
 """
 
 _MINIMAL = """
@@ -155,6 +167,56 @@ def minimal_forwarder(kind: str, upstream: str, port: int) -> None:
     serve(asgi, port=port)
 
 
+def canned_mock(scripted: Any) -> Any:
+    """A raw ASGI upstream that answers each distinct request body with the bytes ``scripted`` (the
+    ``MockOpenAI`` app) answered it the first time: the request is parsed (as any server does), the reply is not
+    built again. Same answers, minus per-reply ``id``/``created`` values; non-streamed POSTs only."""
+    import orjson
+
+    cache: dict[bytes, tuple[int, list[tuple[bytes, bytes]], bytes]] = {}
+
+    async def ask(scope: dict[str, Any], body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        sent: list[dict[str, Any]] = []
+        done = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal done
+            if done:
+                return {"type": "http.disconnect"}
+            done = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        await scripted(scope, receive, send)
+        head = sent[0]
+        data = b"".join(m.get("body", b"") for m in sent[1:])
+        return head["status"], [(k, v) for k, v in head["headers"] if k != b"content-length"], data
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await scripted(scope, receive, send)
+            return
+        parts, more = [], True
+        while more:
+            message = await receive()
+            parts.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(parts)
+        if orjson.loads(body).get("stream"):
+            raise ValueError("canned_mock answers non-streamed requests only (use --mock scripted)")
+        reply = cache.get(body)
+        if reply is None:
+            reply = cache[body] = await ask(scope, body)
+        status, headers, data = reply
+        out = [*headers, (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        await send({"type": "http.response.body", "body": data})
+
+    return app
+
+
 def free_port() -> int:
     import socket
 
@@ -163,20 +225,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, main_thread: bool = False) -> float:
+    """User + system CPU time of a process, or of its main thread only (Linux /proc)."""
+    stat = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
-async def wait_ready(url: str, timeout: float = 90.0) -> None:
+async def wait_ready(url: str, timeout: float = 90.0, upstream: bool = False) -> None:
+    """Wait until ``url`` answers below 500 (``upstream``: and its health says the upstream is ready, so that the
+    proxy, started before the mock, does not answer the warm-up 503 while it looks for its upstream)."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as s:
         while True:
             try:
                 async with s.get(url) as r:
-                    if r.status < 500:
+                    if r.status < 500 and (not upstream or (await r.json())["upstream"]["state"] == "ready"):
                         return
             except aiohttp.ClientError:
                 pass
@@ -251,7 +316,10 @@ async def main_async(args: argparse.Namespace) -> None:
     tmp = tempfile.mkdtemp(prefix="ls-bench-")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     root, bench = str(ROOT), str(ROOT / "benchmarks")
-    mock = subprocess.Popen([sys.executable, "-c", _MOCK.format(root=root, port=up_port)], env=env)
+    mock_kind = "scripted" if args.stream else args.mock
+    mock = subprocess.Popen(
+        [sys.executable, "-c", _MOCK.format(root=root, bench=bench, kind=mock_kind, port=up_port)], env=env
+    )
     proxy = subprocess.Popen(
         [
             sys.executable,
@@ -271,7 +339,7 @@ async def main_async(args: argparse.Namespace) -> None:
     load0 = os.getloadavg()
     try:
         await wait_ready(f"http://127.0.0.1:{up_port}/v1/models")
-        await wait_ready(f"http://127.0.0.1:{px_port}/lightning/v1/health")
+        await wait_ready(f"http://127.0.0.1:{px_port}/lightning/v1/health", upstream=True)
         await wait_ready(f"http://127.0.0.1:{min_port}/lightning/v1/health")
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
@@ -307,6 +375,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 for label, url, middle, extra in targets:
                     mock0 = cpu_seconds(mock.pid)
                     mid0 = cpu_seconds(middle.pid) if middle is not None else 0.0
+                    main0 = cpu_seconds(middle.pid, main_thread=True) if middle is not None else 0.0
                     wall, lat = await run_load(session, url, token, n, conc, args.stream, extra)
                     if middle is proxy:
                         await asyncio.sleep(0.3)  # let the recorder finish this phase's writes (counted as its CPU)
@@ -316,6 +385,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         p99=pct(lat, 99),
                         mock_ms=(cpu_seconds(mock.pid) - mock0) / n * 1e3,
                         cpu_ms=(cpu_seconds(middle.pid) - mid0) / n * 1e3 if middle is not None else 0.0,
+                        main_ms=(cpu_seconds(middle.pid, True) - main0) / n * 1e3 if middle is not None else 0.0,
                     )
                 rows.append((name, phases))
             if args.profile:
@@ -328,8 +398,9 @@ async def main_async(args: argparse.Namespace) -> None:
     load1 = os.getloadavg()
     mode = "stream" if args.stream else "non-stream"
     print(
-        f"\nproxy overhead ({mode} chat completions; mock engine, minimal proxy ({args.minimal}), lightning proxy and "
-        f"this client on {os.cpu_count()} cores; load average {load0[0]:.2f} at start, {load1[0]:.2f} at end)\n"
+        f"\nproxy overhead ({mode} chat completions; mock engine ({mock_kind}), minimal proxy ({args.minimal}), "
+        f"lightning proxy and this client on {os.cpu_count()} cores; load average {load0[0]:.2f} at start, "
+        f"{load1[0]:.2f} at end)\n"
     )
     head = (
         f"{'load':<11}{'direct':>8}{'dir+ids':>8}{'minimal':>8}{'proxy':>8}{'min/dir':>8}{'px/dir':>7}{'px/d+ids':>9}"
@@ -346,7 +417,11 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{p.rate / d.rate:>7.2f}{p.rate / di.rate:>9.2f}{p.rate / m.rate:>7.2f}{(p.p50 - d.p50) * 1e3:>8.2f}"
             f"{(p.p99 - d.p99) * 1e3:>8.2f}{(m.p50 - d.p50) * 1e3:>9.2f}{m.cpu_ms:>8.3f}{p.cpu_ms:>8.3f}"
         )
-    print("\nthe mock engine's CPU ms per request in each phase (the proxy asks it for token ids and log-probs):")
+    print("\nthe lightning proxy's CPU ms per request: event-loop thread + other threads (the store's writer)")
+    for name, ph in rows:
+        p = ph["proxy"]
+        print(f"{name:<11}{p.main_ms:.3f} + {p.cpu_ms - p.main_ms:.3f} = {p.cpu_ms:.3f}")
+    print(f"\nthe mock engine's ({mock_kind}) CPU ms per request in each phase (the proxy asks for ids and log-probs):")
     for name, ph in rows:
         print(f"{name:<11}" + "".join(f"{label} {ph[label].mock_ms:.3f}   " for label in ph))
     print(
@@ -364,6 +439,12 @@ def main() -> None:
     )
     parser.add_argument("--profile", metavar="FILE", help="then profile the proxy with py-spy at c=32 (raw stacks)")
     parser.add_argument("--only", choices=("sequential", "c=32", "c=256"), help="run one load only")
+    parser.add_argument(
+        "--mock",
+        choices=("canned", "scripted"),
+        default="canned",
+        help="the upstream: replies from pre-encoded bytes (default) or built per request (--stream: scripted)",
+    )
     args = parser.parse_args()
     try:
         import uvloop

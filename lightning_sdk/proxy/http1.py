@@ -192,6 +192,11 @@ class Http1Response:
         self.headers = conn.headers
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn is not None and conn.complete:  # the whole reply came with its headers (the common case)
+            data = conn.take()
+            self.release()
+            return data
         parts = []
         async for chunk in self.iter_bytes():
             parts.append(chunk)

@@ -124,6 +124,7 @@ class PassthroughBackend:
         self._watch: asyncio.Task[None] | None = None
         self._next_probe_s = 0.0
         self._probed_at = 0.0
+        self._probing: asyncio.Task[bool] | None = None  # the probe a call started, shared by the calls meanwhile
 
     # -- the upstream's state ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -153,6 +154,11 @@ class PassthroughBackend:
         self._last_error = error
         return False
 
+    def _probe_done(self, task: asyncio.Task[bool]) -> None:
+        self._probing = None
+        if not task.cancelled():
+            task.exception()  # retrieved here: the callers that awaited it saw it already
+
     async def _wait_for_upstream(self) -> None:
         delay = 0.2
         while True:
@@ -163,13 +169,17 @@ class PassthroughBackend:
             delay = min(delay * 2, 5.0)
 
     async def _check_ready(self) -> None:
-        """Raise ``UpstreamNotReady`` while the upstream has never answered (a call probes it once itself)."""
+        """Raise ``UpstreamNotReady`` while the upstream has never answered (a call probes it once itself; calls
+        that arrive while that probe runs wait for its answer instead of being refused on the previous one)."""
         if self._state == "ready":
             return
-        if time.monotonic() - self._probed_at > 0.1:  # do not wait for the watch's backoff: look now
+        probe = self._probing
+        if probe is None and time.monotonic() - self._probed_at > 0.1:  # do not wait for the watch's backoff
             self._probed_at = time.monotonic()
-            if await self._probe():
-                return
+            probe = self._probing = asyncio.get_running_loop().create_task(self._probe())
+            probe.add_done_callback(self._probe_done)
+        if probe is not None:
+            await asyncio.shield(probe)  # a caller that goes away does not cancel the others' probe
         if self._state != "ready":
             raise UpstreamNotReady(
                 f"upstream {self.base} is not reachable yet ({self._last_error or 'starting'}): retry later",

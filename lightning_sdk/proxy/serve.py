@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import logging
 from typing import Any
 
 import uvicorn
 
-__all__ = ["header_timeout_protocol", "serve", "uvicorn_config"]
+__all__ = ["GC_GEN0_THRESHOLD", "header_timeout_protocol", "serve", "tune_gc_for_serving", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +168,35 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 4700, **kwargs
     return uvicorn.Config(app, host=host, port=port, **options)
 
 
-def serve(app: Any, host: str = "127.0.0.1", port: int = 4700, **kwargs: Any) -> None:
-    """Run ``app`` until interrupted (SIGINT/SIGTERM shut it down gracefully, flushing the recorder)."""
+GC_GEN0_THRESHOLD = 7000
+"""The young-generation threshold ``serve`` sets (CPython's default: 700 net allocations of tracked objects)."""
+
+
+def tune_gc_for_serving(gen0: int = GC_GEN0_THRESHOLD) -> None:
+    """Set the cyclic garbage collector up for a process that only serves: collect what start-up left, freeze every
+    object alive now (imports, the app, its store: ``gc.freeze``, so full collections no longer walk them) and run
+    the young collection every ``gen0`` net allocations instead of 700 (older generations keep their ratios).
+
+    Why: the proxy keeps the calls of each running attempt (token mode reuses their ids, per-call rewards check
+    them; about a dozen tracked objects per call) and each call in flight holds its parsed request and reply, so
+    with the default a young collection ran every ~50 calls and kept traversing and promoting the objects of the
+    ~32 calls in flight: about 20 us of CPU per call in collections (measured with ``gc.callbacks``). Reference
+    counting frees everything else as before; a young collection now walks at most ``gen0`` objects (well under a
+    millisecond). Process-wide, so only ``serve`` (a process of its own) calls it, not an app embedded elsewhere.
+    """
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, gen2)
+
+
+def serve(app: Any, host: str = "127.0.0.1", port: int = 4700, *, tune_gc: bool = True, **kwargs: Any) -> None:
+    """Run ``app`` until interrupted (SIGINT/SIGTERM shut it down gracefully, flushing the recorder).
+
+    ``tune_gc``: this process only serves ``app``: see ``tune_gc_for_serving``.
+    """
+    if tune_gc:
+        tune_gc_for_serving()
     config = uvicorn_config(app, host, port, **kwargs)
     http = config.http if isinstance(config.http, str) else "httptools"
     logger.info("serving on http://%s:%d (loop=%s, http=%s)", host, port, config.loop, http)

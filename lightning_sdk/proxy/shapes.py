@@ -69,15 +69,15 @@ def _ids(value: Any, where: str) -> list[int] | None:
 
 
 def _logprobs(values: list[Any], where: str) -> list[float]:
-    """``values`` checked as log-probabilities (finite numbers <= 0), as floats."""
-    if values and (
-        not set(map(type, values)) <= {float, int} or not all(map(math.isfinite, values)) or max(values) > 0
-    ):
+    """``values`` checked as log-probabilities (finite numbers <= 0), as floats (the list itself when it holds
+    floats only)."""
+    types = set(map(type, values))
+    if values and (not types <= {float, int} or not all(map(math.isfinite, values)) or max(values) > 0):
         i, v = next(
             (i, v) for i, v in enumerate(values) if type(v) not in (float, int) or not math.isfinite(v) or v > 0
         )
         raise MalformedAnswer(f"{where}[{i}]: {v!r} is not a log-probability (a finite number <= 0)")
-    return [float(v) for v in values]
+    return values if int not in types else [float(v) for v in values]
 
 
 def _first_choice(resp: Any) -> tuple[dict[str, Any], int]:

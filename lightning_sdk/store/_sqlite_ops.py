@@ -247,13 +247,24 @@ def _check_owners(conn: Conn, pairs: set[tuple[str, str]], what: str) -> None:
         lc.check_owner(what, attempt_id, rollout_id, owners.get(attempt_id))
 
 
+_INSERT_CALLS = (
+    "INSERT OR IGNORE INTO calls (call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, "
+    "logprobs, body) VALUES "
+)
+_CALLS_PER_INSERT = 100  # 9 parameters a row: 900, under SQLite's oldest limit of 999
+
+
 def record_calls(conn: Conn, calls: list[Call]) -> None:
+    """Insert the calls (a call id already stored is left as it is), up to ``_CALLS_PER_INSERT`` rows per
+    statement: the sqlite3 module releases the GIL around every ``sqlite3_step`` and ``executemany`` steps once
+    per row, so the writer thread and the proxy's event loop, running at once on two cores, handed the GIL to each
+    other once per recorded call; a multi-row ``INSERT`` steps once per statement."""
     _check_owners(conn, {(c.attempt_id, c.rollout_id) for c in calls}, "record_calls")
-    conn.executemany(
-        "INSERT OR IGNORE INTO calls (call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, "
-        "logprobs, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        [call_to_row(c) for c in calls],
-    )
+    rows = [call_to_row(c) for c in calls]
+    for i in range(0, len(rows), _CALLS_PER_INSERT):
+        chunk = rows[i : i + _CALLS_PER_INSERT]
+        values = ",".join(["(?,?,?,?,?,?,?,?,?)"] * len(chunk))
+        conn.execute(_INSERT_CALLS + values, [value for row in chunk for value in row])
 
 
 def record_rewards(conn: Conn, rewards: list[Reward]) -> None:

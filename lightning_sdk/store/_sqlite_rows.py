@@ -14,6 +14,7 @@ from array import array
 from typing import Any
 
 import orjson
+from pydantic import BaseModel
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.types import Attempt, AttemptStatus, Call, Group, Rollout, RolloutStatus
@@ -210,11 +211,21 @@ def attempt_from_row(row: tuple[Any, ...]) -> Attempt:
 
 
 _CALL_BLOBS = {"prompt_ids", "completion_ids", "logprobs"}
+_CALL_BODY = tuple(name for name in Call.model_fields if name not in _CALL_BLOBS)
+"""The fields of ``Call`` kept in the ``body`` JSON, in declaration order (what ``model_dump`` would give)."""
 
 
 def call_to_row(call: Call) -> tuple[Any, ...]:
-    """(call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body)."""
-    body = dumps(call.model_dump(exclude=_CALL_BLOBS), f"call {call.call_id}")
+    """(call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body).
+
+    The body is the JSON of the call's other fields read straight off the model (its fields hold JSON values
+    only: scalars, and dicts of JSON), not through ``model_dump``, which copies every nested dict first: that copy
+    was half of the writer thread's CPU per recorded call.
+    """
+    try:
+        body = orjson.dumps({name: getattr(call, name) for name in _CALL_BODY}, default=_jsonable).decode()
+    except TypeError as exc:
+        raise ConfigError(f"call {call.call_id} is not JSON-serialisable: {exc}") from exc
     return (
         call.call_id,
         call.attempt_id,
@@ -226,6 +237,13 @@ def call_to_row(call: Call) -> tuple[Any, ...]:
         _pack("d", call.logprobs, f"call {call.call_id} logprobs"),
         body,
     )
+
+
+def _jsonable(value: Any) -> Any:
+    """What ``model_dump`` would have made of a model nested in a call's free-form fields."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
 def call_from_row(row: tuple[Any, ...]) -> Call:

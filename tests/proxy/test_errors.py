@@ -3,6 +3,7 @@ passed on, 502 after retries, 504 on an upstream timeout; retries that succeed; 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from lightning_sdk.proxy import ProxyConfig
 from tests.support.mock_openai import MockOpenAI
 from tests.support.proxy import ProxyHandle, run_proxy
-from tests.support.servers import RunningServer, free_port
+from tests.support.servers import RunningServer, free_port, run_server
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -249,3 +250,25 @@ def test_policy_model_names_and_upstream_rename(upstream: RunningServer, mock: M
         [call] = px.calls(s["rollout_id"])
         assert call["model"] == "policy"  # what the agent asked for
         assert [m["id"] for m in px.http.get("/v1/models").json()["data"]] == ["policy"]
+
+
+def test_calls_arriving_while_the_first_probe_runs_share_its_answer(tmp_path: Path) -> None:
+    """The upstream comes up after the proxy: the first call probes it, and the calls that arrive during that probe
+    wait for its answer (all 200) instead of getting 503 from the answer before it."""
+    port = free_port()
+    mock = MockOpenAI()
+    with run_proxy(f"http://127.0.0.1:{port}/v1", store_path=tmp_path / "s.db") as px:
+        s = px.session()
+        assert px.http.get("/lightning/v1/health").json()["upstream"]["state"] == "waiting"
+        with run_server(mock.app, port=port):
+
+            async def burst() -> list[int]:
+                headers = {"Authorization": f"Bearer {s['token']}"}
+                async with httpx.AsyncClient(base_url=px.url, timeout=10) as client:
+                    replies = await asyncio.gather(
+                        *(client.post("/v1/chat/completions", json=CHAT, headers=headers) for _ in range(16))
+                    )
+                return [r.status_code for r in replies]
+
+            assert asyncio.run(burst()) == [200] * 16
+        assert len(px.calls(s["rollout_id"])) == 16

@@ -302,3 +302,73 @@ async def test_foreign_schema_version_is_refused(tmp_path: Path) -> None:
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []  # the file was left untouched
     conn.close()
+
+
+def test_call_row_body_is_the_model_dump_of_the_other_fields() -> None:
+    """``call_to_row`` reads the fields off the model instead of ``model_dump`` (a deep copy first): the stored JSON
+    is still exactly the dump (field order included), models nested in free-form fields are dumped as
+    ``model_dump`` would, and a value that is not JSON is a ``ConfigError`` naming the call."""
+    import orjson
+
+    from lightning_sdk.errors import ConfigError
+    from lightning_sdk.store._sqlite_rows import call_from_row, call_to_row
+    from lightning_sdk.types import Call, Reward
+
+    nested = Reward(rollout_id="r", attempt_id="a", value=0.5, created_at=1.0)
+    call = Call(
+        call_id="c-1",
+        attempt_id="a",
+        rollout_id="r",
+        seq=3,
+        model="policy",
+        request={"messages": [{"role": "user", "content": "héllo ✓"}], "stop": ("a", "b"), "meta": nested},
+        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None}]},
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5],
+        logprobs=[-0.5, -1e-300],
+        usage={"prompt_tokens": 3},
+        checks={"n_choices": 2},
+        ended_at=2.5,
+    )
+    row = call_to_row(call)
+    blobs = {"prompt_ids", "completion_ids", "logprobs"}
+    assert row[-1] == orjson.dumps(call.model_dump(mode="json", exclude=blobs)).decode()
+    back = call_from_row(row[5:])
+    assert back.request["meta"] == nested.model_dump(mode="json") and back.request["stop"] == ["a", "b"]
+    assert back.model_dump(exclude={"request"}) == call.model_dump(exclude={"request"})
+    with pytest.raises(ConfigError, match="call c-1 is not JSON-serialisable"):
+        call_to_row(call.model_copy(update={"checks": {"bad": object()}}))
+
+
+async def test_record_calls_in_multi_row_inserts_keeps_the_first_of_each_id(tmp_path: Path) -> None:
+    """``record_calls`` inserts up to 100 rows per statement: 250 calls (across three statements) are all stored,
+    with exact ids and log-probs; an id repeated in the same batch, or already stored, keeps its first version."""
+    from lightning_sdk.types import Call
+
+    store = SQLiteStore(tmp_path / "s.db")
+    try:
+        claim = await store.open_session({"q": 1})
+        aid, rid = claim.attempt.attempt_id, claim.rollout.rollout_id
+
+        def call(i: int, model: str = "policy") -> Call:
+            return Call(
+                call_id=f"c{i:03d}",
+                attempt_id=aid,
+                rollout_id=rid,
+                seq=i,
+                model=model,
+                prompt_ids=[i, i + 1],
+                completion_ids=[2**31 - 1 - i],
+                logprobs=[-1.0 / (i + 3)],
+                started_at=1000.0 + i,
+            )
+
+        await store.record_calls([call(0, "stored-first")])
+        batch = [call(i) for i in range(250)] + [call(7, "repeated")]
+        await store.record_calls(batch)
+        calls = (await store.get_rollout(rid)).attempts[0].calls
+        assert [c.call_id for c in calls] == [f"c{i:03d}" for i in range(250)]
+        assert calls[0].model == "stored-first" and calls[7].model == "policy"
+        assert all(c == call(c.seq) for c in calls[1:])
+    finally:
+        await store.close()
