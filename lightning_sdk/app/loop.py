@@ -294,6 +294,7 @@ class TrainingLoop:
         built = build_records(fresh, self.records_config)
         new_groups, new_outcomes = self._observe(fresh, stale, built.reports)
         rewards = [r.reward for r in built.reports if r.reward is not None]
+        finals = [r.final_reward for r in built.reports if r.final_reward is not None]  # per-call rewards left out
         n_rollouts = sum(len(g.rollouts) for g in fresh)
         staleness = [self.version - (group_version(g) or self.version) for g in fresh]
         metrics: dict[str, float] = {}
@@ -337,7 +338,7 @@ class TrainingLoop:
             dropped_stale=len(stale),
             records=len(built.records),
             reward_mean=sum(rewards) / max(1, n_rollouts),
-            success_rate=sum(1 for r in rewards if r > 0) / max(1, n_rollouts),
+            success_rate=sum(1 for r in finals if r > 0) / max(1, n_rollouts),
             staleness_mean=sum(staleness) / max(1, len(staleness)),
             staleness_max=max(staleness, default=0),
             zero_variance_groups=built.zero_variance_groups,
@@ -363,8 +364,8 @@ class TrainingLoop:
         outcomes). Without a sampler every group counts as fresh."""
         by_group: dict[str, list[float]] = {}
         for r in reports:
-            if r.reward is not None:
-                by_group.setdefault(r.group_id, []).append(float(r.reward))
+            if r.final_reward is not None:  # the outcome: per-call rewards would count a half-fixed task as solved
+                by_group.setdefault(r.group_id, []).append(float(r.final_reward))
         n_new, outcomes = 0, []
         for g in fresh:
             gid = g.group.group_id

@@ -61,7 +61,8 @@ class RolloutReport:
     attempt_id: str | None = None
     trained: bool = False
     note: str | None = None  # why the rollout is not trained
-    reward: float | None = None
+    reward: float | None = None  # the final reward plus any per-call rewards
+    final_reward: float | None = None  # the attempt's final reward alone (what "success" counts)
     advantage: float | None = None  # the attempt's advantage (mean over its items for per-turn credit)
     per_turn: bool = False
     zero_variance_group: bool = False
@@ -81,6 +82,7 @@ class RolloutReport:
             "trained": self.trained,
             "note": self.note,
             "reward": self.reward,
+            "final_reward": self.final_reward,
             "advantage": self.advantage,
             "per_turn": self.per_turn,
             "zero_variance_group": self.zero_variance_group,
@@ -240,6 +242,7 @@ def build_records(
                         per_call[r.call_id] = per_call.get(r.call_id, 0.0) + r.value
             else:
                 final, per_call = float(adv_cfg.failed_fill or 0.0), {}
+            rep.final_reward = final
             if not merged.segments:
                 rep.note = "no trainable calls"
                 rep.reward = final + sum(per_call.values())

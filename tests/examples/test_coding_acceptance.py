@@ -4,8 +4,8 @@ Held-out resolve rate (>= 100 held-out tasks on functions never trained on, gree
 at most 40% within 15 minutes for the whole command; afterwards no sandbox directory and no sandboxed process is
 left; the run's records show every RL rollout merged with no false split and no row longer than the context.
 
-Not shown reliably (examples/coding_agent/README.md: the plain command 24% -> 43% in 800 s, one point short; 24% ->
-44% with a longer RL wall in 1,116 s), so the test is opt-in (``CODING_ACCEPTANCE=1``), not in ``.ci/run``."""
+``.ci/run``'s slow stage runs it; with ``$LIGHTNING_SDK_CI_REPORTS`` set it writes the run's figures (held-out before /
+checks / after, phases, peak RSS of the command) to ``coding_agent.txt`` there, which ``.ci/run`` prints."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,31 +28,41 @@ BUDGET_S = float(os.environ.get("CODING_ACCEPTANCE_BUDGET_S", "900"))
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("CODING_ACCEPTANCE") != "1",
-    reason="the +20-point gain within 15 min is not shown reliably (numbers in examples/coding_agent/README.md); "
-    "run with CODING_ACCEPTANCE=1 (~15 min on a quiet 2-core machine)",
-)
 @pytest.mark.timeout(2400)
 def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "run"
     scratch = tmp_path / "tmp"  # the sandboxes live under $TMPDIR/lightning-sandboxes
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
+    load_start = os.getloadavg()[0]
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
-        cwd=str(ROOT),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=2300,
-    )
-    wall = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "stderr.txt", "w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
+            cwd=str(ROOT),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+        reaped = False
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
+            reaped = True
+        finally:
+            if not reaped:  # the test timed out or was interrupted: leave no training behind
+                proc.kill()
+                proc.wait()
+        wall = time.monotonic() - t0
+        err.seek(0)
+        assert os.waitstatus_to_exitcode(status) == 0, err.read()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
-    print(f"coding acceptance: {before['success_rate']:.3f} -> {after['success_rate']:.3f} in {wall:.0f} s", summary)
+    text = _report(summary, wall, usage.ru_maxrss / 1024, load_start)
+    print(text)
+    reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
+    if reports:
+        Path(reports).mkdir(parents=True, exist_ok=True)
+        (Path(reports) / "coding_agent.txt").write_text(text)
     assert before["n"] >= 100 and after["n"] >= 100
     assert summary["eval_sampling"]["temperature"] == 0.0
     assert before["success_rate"] <= 0.40
@@ -79,3 +90,23 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     assert all(r["segments"] == 1 and r["calls"] >= 2 for r in merged), [r for r in merged if r["segments"] != 1][:3]
     lengths = [len(json.loads(line)["input_ids"]) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert lengths and max(lengths) <= CONTEXT
+
+
+def _report(summary: dict[str, Any], wall: float, peak_rss_mb: float, load_start: float) -> str:
+    """The run's figures as the CI log shows them."""
+    before, after = summary["eval_before"], summary["eval_after"]
+    t = summary.get("timeline", {})
+    rl = summary.get("rl", {})
+    checks = ", ".join(f"{100 * c['success_rate']:.0f}% at step {c['step']}" for c in rl.get("checks", []))
+    lines = [
+        "coding agent (lightning-sdk train examples/coding_agent, tests/examples/test_coding_acceptance.py)",
+        f"  held-out resolve rate: {100 * before['success_rate']:.1f}% -> {100 * after['success_rate']:.1f}% "
+        f"({100 * (after['success_rate'] - before['success_rate']):+.1f} points, n = {after['n']}, greedy)",
+        f"  whole command: {wall:.0f} s (budget {BUDGET_S:.0f} s), peak RSS {peak_rss_mb:.0f} MB, "
+        f"load at start {load_start:.2f}",
+        f"  warm start {summary['warm_start']['steps']} steps, ends at {t.get('warm_start_end_s', 0):.0f} s; "
+        f"held-out before ends at {t.get('eval_before_end_s', 0):.0f} s; RL {summary['steps']} steps, "
+        f"ends at {t.get('rl_end_s', 0):.0f} s",
+        f"  held-out checks: {checks or 'none'}",
+    ]
+    return "\n".join(lines) + "\n"

@@ -203,6 +203,8 @@ def test_per_turn_credit_gives_each_call_its_discounted_return() -> None:
     cfg = RecordsConfig(advantage=AdvantageConfig(estimator="dr_grpo", gamma=0.5))
     res = build_records([g], cfg)
     assert all(rep.per_turn for rep in res.reports)
+    # the report's reward sums the per-call rewards in; the final reward alone is the outcome ("success")
+    assert [(rep.reward, rep.final_reward) for rep in res.reports] == [(1.5, 1.0), (0.0, 0.0)]
     # returns: r0 = [0.5 + 0.5*0 + 0.25*1, 0.5*1, 1] = [0.75, 0.5, 1]; r1 = [0, 0, 0]; group mean 2.25/6
     mean = 2.25 / 6
     rec0 = next(r for r in res.records if r.rollout_id == "g-r0")
