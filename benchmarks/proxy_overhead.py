@@ -8,6 +8,8 @@ Launch (one command, prints a table)::
     python benchmarks/proxy_overhead.py --only c=32     # one load only
     python benchmarks/proxy_overhead.py --stream        # streamed chat completions instead
     python benchmarks/proxy_overhead.py --minimal aiohttp   # the minimal proxy on aiohttp instead of raw ASGI
+    python benchmarks/proxy_overhead.py --mock scripted     # the upstream builds every reply (the old mock)
+    python benchmarks/proxy_overhead.py --only c=32 --profile FILE   # then py-spy the proxy at concurrency 32
 
 Four processes on loopback: the mock upstream (``tests/support/mock_openai.py``, uvicorn + uvloop + httptools),
 the proxy (``lightning_sdk.proxy`` with a ``PassthroughBackend`` to the mock and a ``SQLiteStore`` in a temp dir,
@@ -17,7 +19,9 @@ generator (aiohttp, one pooled session). For each load — sequential and at con
 requests go first directly to the mock, then through the minimal proxy, then through the proxy, with one session
 token. Reported: requests/s, the throughput ratios (minimal/direct, proxy/direct, proxy/minimal), the p50/p99
 latency each proxy adds, and each proxy process's CPU milliseconds per request (user + system time from
-/proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included); the load average.
+/proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included; the proxy's split into
+its event-loop thread and the rest, i.e. the store's writer thread); the load average. Both proxies run under
+``serve()`` (with its garbage-collector set-up), the mock with ``tune_gc=False``.
 
 The mock upstream answers from pre-encoded bytes (``canned_mock``: each distinct request body is answered once by
 ``MockOpenAI`` and its reply bytes are kept; after that a request costs the mock a JSON parse of the body and one
