@@ -155,13 +155,8 @@ def minimal_forwarder(kind: str, upstream: str, port: int) -> None:
                     await pool.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        parts, more = [], True
-        while more:
-            message = await receive()
-            parts.append(message.get("body", b""))
-            more = message.get("more_body", False)
         path: str = scope["path"]
-        resp = await pool.send(scope["method"], path.removeprefix("/v1"), b"".join(parts), headers)
+        resp = await pool.send(scope["method"], path.removeprefix("/v1"), await _read_body(receive), headers)
         data = await resp.read()
         ctype = next((v for k, v in resp.headers if k == b"content-type"), b"application/json")
         out = [(b"content-type", ctype), (b"content-length", str(len(data)).encode())]
@@ -169,6 +164,16 @@ def minimal_forwarder(kind: str, upstream: str, port: int) -> None:
         await send({"type": "http.response.body", "body": data})
 
     serve(asgi, port=port)
+
+
+async def _read_body(receive: Any) -> bytes:
+    """An ASGI request's whole body."""
+    parts, more = [], True
+    while more:
+        message = await receive()
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
+    return b"".join(parts)
 
 
 def canned_mock(scripted: Any) -> Any:
@@ -202,12 +207,7 @@ def canned_mock(scripted: Any) -> Any:
         if scope["type"] != "http" or scope["method"] != "POST":
             await scripted(scope, receive, send)
             return
-        parts, more = [], True
-        while more:
-            message = await receive()
-            parts.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(parts)
+        body = await _read_body(receive)
         if orjson.loads(body).get("stream"):
             raise ValueError("canned_mock answers non-streamed requests only (use --mock scripted)")
         reply = cache.get(body)

@@ -13,12 +13,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.commands import run_measured
 from tests.support.sandboxes import sandboxed_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,30 +34,17 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"  # the sandboxes live under $TMPDIR/lightning-sandboxes
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    load_start = os.getloadavg()[0]
-    t0 = time.monotonic()
-    with open(tmp_path / "stderr.txt", "w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
-            cwd=str(ROOT),
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-        reaped = False
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
-            reaped = True
-        finally:
-            if not reaped:  # the test timed out or was interrupted: leave no training behind
-                proc.kill()
-                proc.wait()
-        wall = time.monotonic() - t0
-        err.seek(0)
-        assert os.waitstatus_to_exitcode(status) == 0, err.read()[-3000:]
+    run = run_measured(
+        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
+        cwd=ROOT,
+        env=env,
+        stderr_path=tmp_path / "stderr.txt",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    wall = run.wall_s
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
-    text = _report(summary, wall, usage.ru_maxrss / 1024, load_start)
+    text = _report(summary, wall, run.peak_rss_mb, run.load_start)
     print(text)
     reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
     if reports:

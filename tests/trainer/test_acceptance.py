@@ -9,13 +9,12 @@ import importlib.util
 import io
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.commands import run_measured
 from tests.trainer.tiny import EXAMPLE, ROOT
 
 
@@ -27,31 +26,17 @@ def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
     CI log (which runs this alone on a quiet machine) carries the main job's timing."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    load_start = os.getloadavg()[0]
-    t0 = time.monotonic()
-    with open(tmp_path / "stderr.txt", "w+") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
-            cwd=str(ROOT),
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-        reaped = False
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS
-            reaped = True
-        finally:
-            if not reaped:  # the test timed out or was interrupted: leave no training behind
-                proc.kill()
-                proc.wait()
-        returncode = os.waitstatus_to_exitcode(status)
-        wall = time.monotonic() - t0
-        err.seek(0)
-        assert returncode == 0, err.read()[-3000:]
+    run = run_measured(
+        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
+        cwd=ROOT,
+        env=env,
+        stderr_path=tmp_path / "stderr.txt",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    wall = run.wall_s
     reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
     if reports:
-        _write_report(out, Path(reports), wall, usage.ru_maxrss / 1024, load_start)
+        _write_report(out, Path(reports), wall, run.peak_rss_mb, run.load_start)
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["n"] >= 200 and after["n"] >= 200

@@ -1,0 +1,25 @@
+"""tests/support/commands.run_measured, which the acceptance tests use to time the training command and read its
+peak RSS: real child processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tests.support.commands import run_measured
+
+
+def test_measures_the_childs_own_peak_rss_exit_code_and_stderr(tmp_path: Path) -> None:
+    script = "import sys; block = bytearray(200 * 1024 * 1024); sys.stderr.write('done'); sys.exit(3)"
+    run = run_measured([sys.executable, "-c", script], cwd=tmp_path, env=os.environ, stderr_path=tmp_path / "e.txt")
+    assert run.returncode == 3
+    assert run.stderr == "done" and (tmp_path / "e.txt").read_text() == "done"
+    assert 200 <= run.peak_rss_mb < 400  # the 200 MB block, counted once
+    assert run.wall_s > 0 and run.load_start >= 0
+
+
+def test_a_killed_child_reports_the_signal(tmp_path: Path) -> None:
+    script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    run = run_measured([sys.executable, "-c", script], cwd=tmp_path, env=os.environ, stderr_path=tmp_path / "e.txt")
+    assert run.returncode == -9
