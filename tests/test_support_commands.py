@@ -19,6 +19,16 @@ def test_measures_the_childs_own_peak_rss_exit_code_and_stderr(tmp_path: Path) -
     assert run.wall_s > 0 and run.load_start >= 0
 
 
+def test_the_peak_is_the_commands_not_the_callers(tmp_path: Path) -> None:
+    """A child forked from a process of 300 MB starts with that high-water mark; the command measured must not."""
+    ballast = bytearray(300 * 1024 * 1024)
+    ballast[::4096] = b"x" * len(ballast[::4096])  # touched: resident
+    run = run_measured([sys.executable, "-c", "pass"], cwd=tmp_path, env=os.environ, stderr_path=tmp_path / "e.txt")
+    assert run.returncode == 0
+    assert run.peak_rss_mb < 100, run.peak_rss_mb
+    del ballast
+
+
 def test_a_killed_child_reports_the_signal(tmp_path: Path) -> None:
     script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     run = run_measured([sys.executable, "-c", script], cwd=tmp_path, env=os.environ, stderr_path=tmp_path / "e.txt")

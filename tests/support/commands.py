@@ -1,39 +1,61 @@
-"""Run a command as a test's child and measure it: wall time, its own peak RSS (``wait4``), the load at its start."""
+"""Run a command as a test's child and measure it: wall time, its own peak RSS, the load at its start.
+
+The peak RSS is read by a small wrapper process (``python -S``) that spawns the command and waits for it: a child's
+``ru_maxrss`` starts at the high-water mark of the memory image it was forked or vforked from, so waiting for the
+command directly from a test process of a few GB would report the test process's peak, not the command's."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+_WRAPPER = (
+    "import json, os, sys\n"
+    "pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "with open(sys.argv[1], 'w') as f:\n"
+    "    json.dump({'returncode': os.waitstatus_to_exitcode(status), 'maxrss_kb': usage.ru_maxrss}, f)\n"
+)
 
 
 @dataclass
 class Measured:
     returncode: int
     wall_s: float
-    peak_rss_mb: float  # the child's own peak resident set (its rusage from wait4)
+    peak_rss_mb: float  # the command's own peak resident set
     load_start: float  # the 1-minute load average when it started
     stderr: str
 
 
 def run_measured(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stderr_path: Path) -> Measured:
     """Run ``argv`` to its end (stdout discarded, stderr kept in ``stderr_path``); if the caller is interrupted (a
-    test timeout), the child is killed so that no training is left behind."""
+    test timeout), the command's process group is killed so that no training is left behind."""
+    result = stderr_path.with_name(stderr_path.name + ".rusage.json")
     load_start = os.getloadavg()[0]
     t0 = time.monotonic()
     with open(stderr_path, "w+") as err:
-        proc = subprocess.Popen(list(argv), cwd=str(cwd), env=dict(env), stdout=subprocess.DEVNULL, stderr=err)
-        reaped = False
+        proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _WRAPPER, str(result), *argv],
+            cwd=str(cwd),
+            env=dict(env),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
-            reaped = True
+            proc.wait()
         finally:
-            if not reaped:
-                proc.kill()
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         wall = time.monotonic() - t0
         err.seek(0)
-        return Measured(os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 1024, load_start, err.read())
+        measured = json.loads(result.read_text())
+        return Measured(measured["returncode"], wall, measured["maxrss_kb"] / 1024, load_start, err.read())
