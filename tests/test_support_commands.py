@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from tests.support.commands import run_measured
+import pytest
+
+from tests.support.commands import run_measured, train_example
 
 
 def test_measures_the_childs_own_peak_rss_exit_code_and_stderr(tmp_path: Path) -> None:
@@ -33,3 +35,11 @@ def test_a_killed_child_reports_the_signal(tmp_path: Path) -> None:
     script = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     run = run_measured([sys.executable, "-c", script], cwd=tmp_path, env=os.environ, stderr_path=tmp_path / "e.txt")
     assert run.returncode == -9
+
+
+def test_train_example_fails_the_test_with_the_commands_error(tmp_path: Path) -> None:
+    """The real ``lightning-sdk train`` on a directory with no train.toml: a clear CLI error, shown in the failure."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AssertionError) as failed:
+        train_example(tmp_path / "empty", tmp_path / "run", tmp_path)
+    assert "train.toml" in str(failed.value)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.commands import run_measured
+from tests.support.commands import train_example
 from tests.support.sandboxes import sandboxed_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,13 +34,7 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     scratch = tmp_path / "tmp"  # the sandboxes live under $TMPDIR/lightning-sandboxes
     scratch.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(scratch)}
-    run = run_measured(
-        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
-        cwd=ROOT,
-        env=env,
-        stderr_path=tmp_path / "stderr.txt",
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = train_example(EXAMPLE, out, tmp_path, env)
     wall = run.wall_s
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"], summary["eval_after"]

@@ -59,3 +59,18 @@ def run_measured(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], stde
         err.seek(0)
         measured = json.loads(result.read_text())
         return Measured(measured["returncode"], wall, measured["maxrss_kb"] / 1024, load_start, err.read())
+
+
+def train_example(example: Path, out: Path, tmp_path: Path, env: Mapping[str, str] | None = None) -> Measured:
+    """``lightning-sdk train EXAMPLE --output OUT`` (as ``python -m lightning_sdk``) from the repository root,
+    measured (stderr in ``tmp_path/stderr.txt``); ``env`` defaults to this process's with the repository on
+    ``PYTHONPATH``. A failed command fails the test with its stderr."""
+    root = Path(__file__).resolve().parents[2]
+    run = run_measured(
+        [sys.executable, "-m", "lightning_sdk", "train", str(example), "--output", str(out)],
+        cwd=root,
+        env=env if env is not None else {**os.environ, "PYTHONPATH": str(root)},
+        stderr_path=tmp_path / "stderr.txt",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run

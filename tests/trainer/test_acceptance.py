@@ -9,12 +9,11 @@ import importlib.util
 import io
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.commands import run_measured
+from tests.support.commands import train_example
 from tests.trainer.tiny import EXAMPLE, ROOT
 
 
@@ -25,14 +24,7 @@ def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
     groups, peak RSS of the command) to ``$LIGHTNING_SDK_CI_REPORTS/main_job.txt`` when that is set, so that the
     CI log (which runs this alone on a quiet machine) carries the main job's timing."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = run_measured(
-        [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)],  # = lightning-sdk
-        cwd=ROOT,
-        env=env,
-        stderr_path=tmp_path / "stderr.txt",
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = train_example(EXAMPLE, out, tmp_path)
     wall = run.wall_s
     reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
     if reports:
