@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.agent import WorkerPool, run_tasks
 from lightning_sdk.agent._base import Agent
+from lightning_sdk.agent.tasks import rollout_reward
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
@@ -99,12 +100,7 @@ def _engine_busy(engine: Any) -> float:
 
 def _rewards_of(group: FinishedGroup) -> list[float]:
     """The final reward of each rollout's succeeded attempt (rollouts without one are left out)."""
-    out: list[float] = []
-    for d in group.rollouts:
-        attempt = d.succeeded_attempt()
-        if attempt is not None and attempt.rewards:
-            out.append(float(attempt.rewards[-1].value))
-    return out
+    return [r for r in map(rollout_reward, group.rollouts) if r is not None]
 
 
 @dataclass
