@@ -120,7 +120,7 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(
             "screen_samples": screen,
             "workers": 8,
             "max_tokens": 16,
-            "drop_zero_variance": not screen,  # screening needs it: the untrained policy's groups all score 0
+            "drop_zero_variance": bool(screen),  # screening needs it (the parity agent gives the variance)
             "max_staleness": 1,
             "max_wall_s": 1000,
         },
