@@ -240,8 +240,6 @@ class TrainingLoop:
         self.dropped_total = 0
         self._extended: set[str] = set()  # screening groups whose rest this process enqueued
         self._read_limit = 4 * tasks_per_step + 64  # finished groups per read (grows: see _take_groups)
-        self._undecided: set[str] = set()  # screening groups this process enqueued that are not decided yet
-        self._decided = [0, 0]  # screening groups this process saw grow, and screened out
         self._screened_waiting = 0  # screened-out groups the last read found, consumed with the next step
         self.learner_busy_s = 0.0
         self._next_weights: tuple[Any, int] | None = None
@@ -264,9 +262,7 @@ class TrainingLoop:
 
     # -- the queue -----------------------------------------------------------------------------------------------
     async def feed(self) -> None:
-        """Enqueue train tasks until ``(1 + max_staleness) * tasks_per_step`` groups are outstanding; a screening
-        group not decided yet counts as the share of screening groups that grew so far (``grow_rate``), so the
-        queue holds as many groups that will train as without screening."""
+        """Enqueue train tasks until ``(1 + max_staleness) * tasks_per_step`` groups are outstanding."""
         if not self.train_tasks:
             return
         consumed = self._screened_waiting + sum(
@@ -276,24 +272,15 @@ class TrainingLoop:
             for gid in v.get(key, [])
             if not gid.endswith(REST)  # a rest group is part of its task's group, counted once
         )
-        outstanding = self.next_task - consumed
-        undecided = len(self._undecided)
-        rate = self.grow_rate
-        have = outstanding - undecided + rate * undecided
-        target = (1 + self.max_staleness) * self.tasks_per_step
-        ks: list[int] = []
-        tasks: list[dict[str, Any]] = []
-        sizes: list[int] = []
-        while have < target and len(ks) < 4 * target:
-            k = self.next_task + len(ks)
-            gid = f"train-{k}"
-            index = self.sampler.pick(gid) if self.sampler is not None else k % len(self.train_tasks)
-            ks.append(k)
-            tasks.append(self.train_tasks[index])
-            sizes.append(self._first_size(gid))
-            have += rate if sizes[-1] < self.samples_per_task else 1.0
-        if not ks:
+        want = (1 + self.max_staleness) * self.tasks_per_step - (self.next_task - consumed)
+        if want <= 0:
             return
+        ks = range(self.next_task, self.next_task + want)
+        if self.sampler is not None:
+            tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
+        else:
+            tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
+        sizes = [self._first_size(f"train-{k}") for k in ks]
         i = 0
         while i < len(tasks):  # runs of equal size, in order
             j = i
@@ -307,25 +294,7 @@ class TrainingLoop:
                 group_ids=[f"train-{k}" for k in ks[i:j]],
             )
             i = j
-        self._undecided.update(f"train-{k}" for k, n in zip(ks, sizes, strict=True) if n < self.samples_per_task)
-        self.next_task += len(ks)
-
-    @property
-    def grow_rate(self) -> float:
-        """The share of this process's screening groups that grew (their first rollouts disagreed), with one grown
-        and one screened-out group assumed before any (so 0.5 at first), at least 0.2."""
-        grown, screened = self._decided
-        return max(0.2, (grown + 1) / (grown + screened + 2))
-
-    def _decide(self, taken: Taken) -> None:
-        """Screening groups of this process decided by a read: no longer undecided; counted for ``grow_rate``."""
-        for groups, slot in ((taken.extend, 0), (taken.screened, 1), (taken.stale, -1)):
-            for g in groups:
-                gid = g.group.group_id
-                if gid in self._undecided:
-                    self._undecided.discard(gid)
-                    if slot >= 0:
-                        self._decided[slot] += 1
+        self.next_task += want
 
     def _first_size(self, group_id: str) -> int:
         """How many rollouts a new group starts with: ``screen_samples`` on a fresh task, else the whole group."""
@@ -380,7 +349,6 @@ class TrainingLoop:
                 finished = await self.store.finished_groups(limit=self._read_limit, split="train")
                 taken = self._split_fresh(finished)
                 self._screened_waiting = len(taken.screened)
-                self._decide(taken)
                 await self._extend(taken.extend)
                 if len(taken.fresh) >= self.tasks_per_step:
                     return taken, time.perf_counter() - t0

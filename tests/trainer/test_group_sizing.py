@@ -103,48 +103,37 @@ async def test_first_rollouts_decide_screen_out_or_grow_and_a_restart_asks_for_n
     db = tmp_path / "store.db"
     store = SQLiteStore(db)
     loop = _loop(store, tmp_path / "run")
-    # (1 + max_staleness) * tasks_per_step = 4 groups that will train; an undecided screening group counts as the
-    # share that grew so far, 1/2 before any: 8 groups, each starting at screen_samples = 2
-    await loop.feed()
-    assert {gid: v[:2] for gid, v in _groups(db).items()} == {f"train-{k}": (2, 2) for k in range(8)}
-    rewards = {f"train-{k}": [0.0, 0.0] for k in range(8)}
-    rewards |= {"train-0": [1.0, 0.0], "train-2": [1.0, 1.0], "train-3": [0.0, 1.0]}
+    await loop.feed()  # (1 + max_staleness) * tasks_per_step = 4 groups, each starting at screen_samples = 2
+    assert {gid: v[:2] for gid, v in _groups(db).items()} == {f"train-{k}": (2, 2) for k in range(4)}
+    rewards = {"train-0": [1.0, 0.0], "train-1": [0.0, 0.0], "train-2": [1.0, 1.0], "train-3": [0.0, 1.0]}
     assert await _run(store, rewards) == dict.fromkeys(rewards, 2)
 
     taken, _ = await loop._take_groups(lambda: True)  # one read
+    assert [g.group.group_id for g in taken.screened] == ["train-1", "train-2"]
     assert [g.group.group_id for g in taken.extend] == ["train-0", "train-3"] and taken.fresh == []
-    assert [g.group.group_id for g in taken.screened] == [
-        "train-1",
-        "train-2",
-        "train-4",
-        "train-5",
-        "train-6",
-        "train-7",
-    ]
-    assert loop.grow_rate == pytest.approx(3 / 10)  # (2 grown + 1) / (8 decided + 2)
     groups = _groups(db)
     for base in ("train-0", "train-3"):  # the rest: samples_per_task - k rollouts on the same task
         assert groups[base + REST][:2] == (2, 2) and groups[base + REST][2] == groups[base][2]
-    assert len(groups) == 10
-    await loop.feed()  # two groups will train (the grown ones); 7 new screening groups at 0.3 make up the other two
-    assert loop.next_task == 15 and _groups(db)["train-14"][:2] == (2, 2)
+    assert "train-1" + REST not in groups and "train-2" + REST not in groups
+    await loop.feed()  # the screened-out groups are decided: two new groups keep four outstanding
+    assert loop.next_task == 6 and _groups(db)["train-5"][:2] == (2, 2)
     await store.close()
 
     store = SQLiteStore(db)  # a restart: nothing in memory, the same decisions from the store
     loop = _loop(store, tmp_path / "run")
-    loop.next_task = 15
+    loop.next_task = 6
     taken, _ = await loop._take_groups(lambda: True)
     assert [g.group.group_id for g in taken.extend] == ["train-0", "train-3"]
-    assert len(_groups(db)) == 17  # no second rest
+    assert _groups(db) == groups | {k: v for k, v in _groups(db).items() if k in ("train-4", "train-5")}
+    assert len(_groups(db)) == 8  # no second rest
 
-    rest = {"train-0-rest": [1.0, 1.0], "train-3-rest": [0.0, 0.0]} | {f"train-{k}": [0.0, 0.0] for k in range(8, 15)}
-    await _run(store, rest)
+    await _run(store, {"train-0-rest": [1.0, 1.0], "train-3-rest": [0.0, 0.0], "train-4": [0, 0], "train-5": [0, 0]})
     taken, _ = await loop._take_groups(lambda: True)
     assert [group_ids(g) for g in taken.fresh] == [["train-0", "train-0-rest"], ["train-3", "train-3-rest"]]
     merged = taken.fresh[0]
     assert merged.group.n == 4
     assert [d.rollout.group_id for d in merged.rollouts] == ["train-0", "train-0", "train-0-rest", "train-0-rest"]
-    assert len(taken.screened) == 13 and "train-0" not in [g.group.group_id for g in taken.screened]
+    assert [g.group.group_id for g in taken.screened] == ["train-1", "train-2", "train-4", "train-5"]
     await store.close()
 
 
@@ -152,14 +141,13 @@ async def test_replays_run_whole_groups_and_fresh_tasks_are_screened(tmp_path: P
     store = SQLiteStore(tmp_path / "store.db")
     sampler = TaskSampler(len(TASKS), replay_share=1.0, max_replays=2)
     loop = _loop(store, tmp_path / "run", sampler=sampler, tasks_per_step=1, max_staleness=0)
-    await loop.feed()  # one group that will train: two fresh screening groups at 1/2
+    await loop.feed()
     sampler.observe("train-0", [0.0, 1.0])  # informative: its task is queued for a replay
-    loop.consumed = {1: {"trained": ["train-0"], "screened": ["train-1"]}}
-    loop._undecided.clear()
-    await loop.feed()  # the replay counts whole: one group
+    loop.next_task, loop.consumed = 1, {1: {"trained": ["train-0"], "dropped": []}}
+    await loop.feed()
     groups = _groups(tmp_path / "store.db")
-    assert [groups[f"train-{k}"][:2] for k in range(3)] == [(2, 2), (2, 2), (4, 4)]  # the replay: whole at once
-    assert groups["train-2"][2] == groups["train-0"][2] and len(groups) == 3
+    assert groups["train-0"][:2] == (2, 2) and groups["train-1"][:2] == (4, 4)  # the replay: whole at once
+    assert groups["train-1"][2] == groups["train-0"][2]
     await store.close()
 
 
@@ -168,11 +156,11 @@ async def test_staleness_of_screening_and_grown_groups(tmp_path: Path) -> None:
     still waiting for its rest, and a rest left without its screening group, are dropped stale."""
     store = SQLiteStore(tmp_path / "store.db")
     loop = _loop(store, tmp_path / "run", tasks_per_step=4)
-    await loop.feed()  # train-0..15, two rollouts each
-    await _run(store, {f"train-{k}": [float(k % 2), 1.0] for k in range(16)}, version=0)  # even ones vary
+    await loop.feed()  # train-0..7, two rollouts each
+    await _run(store, {f"train-{k}": [float(k % 2), 1.0] for k in range(8)}, version=0)  # even ones vary
     taken, _ = await loop._take_groups(lambda: True)
-    assert [g.group.group_id for g in taken.extend] == [f"train-{k}" for k in range(0, 16, 2)]
-    await _run(store, {f"train-{k}-rest": [0.0, 0.0] for k in range(0, 16, 2)}, version=1)
+    assert [g.group.group_id for g in taken.extend] == ["train-0", "train-2", "train-4", "train-6"]
+    await _run(store, {f"train-{k}-rest": [0.0, 0.0] for k in range(0, 8, 2)}, version=1)
     loop.version = 2  # first rollouts two versions old, the rest one: within the bound
     assert [group_ids(g)[0] for g in loop._split_fresh(await store.finished_groups(limit=64)).fresh] == [
         f"train-{k}" for k in range(0, 8, 2)
@@ -180,13 +168,13 @@ async def test_staleness_of_screening_and_grown_groups(tmp_path: Path) -> None:
     loop.version = 3  # the rest two versions old: stale, both parts dropped together
     taken = loop._split_fresh(await store.finished_groups(limit=64))
     assert taken.fresh == [] and group_ids(taken.stale[0]) == ["train-0", "train-0-rest"]
-    assert [g.group.group_id for g in taken.screened] == [f"train-{k}" for k in range(1, 16, 2)]
+    assert [g.group.group_id for g in taken.screened] == ["train-1", "train-3", "train-5", "train-7"]
     await store.close()
 
     store = SQLiteStore(tmp_path / "other.db")
     loop = _loop(store, tmp_path / "run2", tasks_per_step=1)
-    await loop.feed()  # four groups
-    await _run(store, {"train-0": [0.0, 1.0], "train-1": [1.0, 0.0], "train-2": [0, 0], "train-3": [0, 0]}, version=0)
+    await loop.feed()
+    await _run(store, {"train-0": [0.0, 1.0], "train-1": [1.0, 0.0]}, version=0)
     loop.version = 1
     taken, _ = await loop._take_groups(lambda: True)
     assert len(taken.extend) == 2
@@ -218,10 +206,10 @@ async def test_a_step_never_trains_a_screened_group_and_trains_a_grown_one_whole
     loop = _loop(store, tmp_path / "run", learner=learner, tasks_per_step=1)
     loop.weights = learner.weights
     await loop.resume()
-    await loop.feed()  # train-0..3, two rollouts each
-    await _run(store, {"train-0": [0.0, 0.0], "train-1": [1.0, 0.0], "train-2": [0, 0], "train-3": [0, 0]})
+    await loop.feed()  # train-0 and train-1, two rollouts each
+    await _run(store, {"train-0": [0.0, 0.0], "train-1": [1.0, 0.0]})
     taken, _ = await loop._take_groups(lambda: True)
-    assert [g.group.group_id for g in taken.screened] == ["train-0", "train-2", "train-3"]
+    assert [g.group.group_id for g in taken.screened] == ["train-0"]
     await _run(store, {"train-1-rest": [1.0, 1.0]})
 
     report = await loop.train_step()
@@ -231,18 +219,17 @@ async def test_a_step_never_trains_a_screened_group_and_trains_a_grown_one_whole
     advantages = sorted(float(r.advantages[r.loss_mask > 0][0]) for r in records)
     assert advantages[0] < 0 < advantages[1] == pytest.approx(advantages[3])  # one baseline over the four
     assert sum(advantages) == pytest.approx(0.0, abs=1e-6)  # centred on the mean of all four, not of two
-    assert (report.groups, report.screened_groups, report.zero_variance_groups) == (1, 3, 0)
-    assert (report.rollouts, report.wasted_rollouts) == (10, 6)
-    assert report.generated_tokens == 30 and report.wasted_tokens == 18
-    assert sorted(report.fresh_outcomes) == [0.0] * 7 + [1.0]  # the two screening rollouts of each task
+    assert (report.groups, report.screened_groups, report.zero_variance_groups) == (1, 1, 0)
+    assert (report.rollouts, report.wasted_rollouts) == (6, 2)
+    assert report.generated_tokens == 18 and report.wasted_tokens == 6
+    assert sorted(report.fresh_outcomes) == [0.0, 0.0, 0.0, 1.0]  # the two screening rollouts of each task
     ckpt = load_checkpoint(tmp_path / "run")
     assert ckpt is not None
-    screened = ["train-0", "train-2", "train-3"]
-    assert ckpt.consumed[1] == {"trained": ["train-1", "train-1-rest"], "dropped": [], "screened": screened}
-    assert sorted(ckpt.groups_of(1)) == sorted([*screened, "train-1", "train-1-rest"])
+    assert ckpt.consumed[1] == {"trained": ["train-1", "train-1-rest"], "dropped": [], "screened": ["train-0"]}
+    assert sorted(ckpt.groups_of(1)) == ["train-0", "train-1", "train-1-rest"]
     with sqlite3.connect(tmp_path / "store.db") as conn:
         consumed = dict(conn.execute("SELECT group_id, consumed_step FROM groups WHERE consumed_step IS NOT NULL"))
-    assert consumed == dict.fromkeys([*screened, "train-1", "train-1-rest"], 1)
+    assert consumed == {"train-0": 1, "train-1": 1, "train-1-rest": 1}
     await store.close()
 
 
