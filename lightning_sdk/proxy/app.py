@@ -563,7 +563,7 @@ class _HangUpWatch:
 
     def close(self) -> None:
         self._active = False
-        self._receive = None
+        self._receive = self._task = None  # the sweeper may hold this watch a while longer: not the request's objects
         if self._fut is not None:
             self._fut.cancel()
 
