@@ -210,33 +210,34 @@ def attempt_from_row(row: tuple[Any, ...]) -> Attempt:
     )
 
 
-_CALL_BLOBS = {"prompt_ids", "completion_ids", "logprobs"}
-_CALL_BODY = tuple(name for name in Call.model_fields if name not in _CALL_BLOBS)
-"""The fields of ``Call`` kept in the ``body`` JSON, in declaration order (what ``model_dump`` would give)."""
-
-
 def call_to_row(call: Call) -> tuple[Any, ...]:
     """(call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body).
 
-    The body is the JSON of the call's other fields read straight off the model (its fields hold JSON values
-    only: scalars, and dicts of JSON), not through ``model_dump``, which copies every nested dict first: that copy
-    was half of the writer thread's CPU per recorded call.
+    The body is the JSON of the call's other fields read straight off the model's ``__dict__`` (its fields, in
+    declaration order: what ``model_dump`` gives; they hold JSON values only: scalars, and dicts of JSON), not
+    through ``model_dump``, which copies every nested dict first: that copy was half of the writer thread's CPU
+    per recorded call. The store's writer thread runs this for every call while holding the GIL the proxy's event
+    loop needs (4.6 -> 2.9 us a call with the dict copy and no per-call message strings).
     """
+    body = dict(call.__dict__)
+    prompt_ids, completion_ids, logprobs = body.pop("prompt_ids"), body.pop("completion_ids"), body.pop("logprobs")
     try:
-        body = orjson.dumps({name: getattr(call, name) for name in _CALL_BODY}, default=_jsonable).decode()
+        text = orjson.dumps(body, default=_jsonable).decode()
     except TypeError as exc:
         raise ConfigError(f"call {call.call_id} is not JSON-serialisable: {exc}") from exc
-    return (
-        call.call_id,
-        call.attempt_id,
-        call.rollout_id,
-        call.seq,
-        call.started_at,
-        _pack("i", call.prompt_ids, f"call {call.call_id} prompt_ids"),
-        _pack("i", call.completion_ids, f"call {call.call_id} completion_ids"),
-        _pack("d", call.logprobs, f"call {call.call_id} logprobs"),
-        body,
-    )
+    try:
+        blobs = (
+            struct.pack(f"<{len(prompt_ids)}i", *prompt_ids),
+            struct.pack(f"<{len(completion_ids)}i", *completion_ids),
+            struct.pack(f"<{len(logprobs)}d", *logprobs),
+        )
+    except struct.error:  # name the list that does not pack
+        blobs = (
+            _pack("i", prompt_ids, f"call {call.call_id} prompt_ids"),
+            _pack("i", completion_ids, f"call {call.call_id} completion_ids"),
+            _pack("d", logprobs, f"call {call.call_id} logprobs"),
+        )
+    return (call.call_id, call.attempt_id, call.rollout_id, call.seq, call.started_at, *blobs, text)
 
 
 def _jsonable(value: Any) -> Any:

@@ -17,6 +17,7 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.proxy.app import HangUpSweeper, _HangUpWatch
 from lightning_sdk.proxy.shapes import MAX_TOKEN_ID, MalformedAnswer, _ids, canonical_chat, chat_tokens
 from lightning_sdk.store._sqlite_rows import call_to_row
@@ -67,9 +68,20 @@ def test_from_checked_equals_the_validated_call_and_its_row() -> None:
     assert fast.model_dump() == slow.model_dump()
     assert fast.model_dump_json() == slow.model_dump_json()
     assert call_to_row(fast) == call_to_row(slow)
+    row = call_to_row(slow)
+    blobs = ("prompt_ids", "completion_ids", "logprobs")
+    assert orjson.loads(row[-1]) == {k: v for k, v in slow.model_dump().items() if k not in blobs}
+    assert list(orjson.loads(row[-1])) == [k for k in Call.model_fields if k not in blobs]  # declaration order
     assert Call.model_validate_json(fast.model_dump_json()) == slow
     fast.error = "later"  # the proxy sets the error of a failed call after building it
     assert fast.error == "later" and fast.model_dump()["error"] == "later"
+
+
+def test_a_row_that_cannot_be_packed_names_its_list() -> None:
+    fields = _fields(_engine_answer())
+    fields["completion_ids"] = [1, 2**40]  # what only an unchecked Call could hold
+    with pytest.raises(ConfigError, match="call call-1 completion_ids"):
+        call_to_row(Call.from_checked(**fields))
 
 
 def test_from_checked_needs_every_field() -> None:
