@@ -14,8 +14,10 @@ Runs the real command in a subprocess (peak RSS from the child's rusage), then r
 - the RL steps from the learner's side: waiting for groups (learner idle), building records, the learner's update,
   checkpoint + consume, weight publication; beside them the engine's generation time and the CPU of the event-loop
   thread (proxy, store, in-process agents), which run concurrently;
-- wasted generation: the share of generated groups that taught nothing (zero reward variance, or dropped as
-  stale), and how many groups were replays of informative tasks;
+- wasted generation: the share of generated groups that taught nothing (zero reward variance, dropped as stale,
+  or screened out at their first rollouts: ``rl.screen_samples``), the same share of the rollouts and of the
+  generated tokens (what the run spent on them), the rollouts and tokens spent per group that taught, and how many
+  groups were replays of informative tasks;
 - the machine's load average at start and end (the figures are only comparable at similar load).
 
 ``--set KEY=VALUE`` passes config overrides (``rl.replay_share=0``, ``rl.target_gain=null``...) to compare variants.
@@ -127,14 +129,29 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     trained = sum(r["groups"] for r in rows)
     stale = sum(r["dropped_stale"] for r in rows)
     zero = sum(r["zero_variance_groups"] for r in rows)
-    generated = trained + stale
+    screened = sum(r.get("screened_groups", 0) for r in rows)
+    generated = trained + stale + screened
     fresh = total("fresh_groups")
+
+    def pct(part: float, whole: float) -> str:
+        return f"{100 * part / max(1, whole):.0f}%"
+
     print(
-        f"groups: {generated} generated, {zero} zero reward variance ({100 * zero / max(1, generated):.0f}%), "
-        f"{stale} dropped stale ({100 * stale / max(1, generated):.0f}%): "
-        f"{100 * (zero + stale) / max(1, generated):.0f}% taught nothing"
+        f"groups: {generated} generated, {zero} zero reward variance ({pct(zero, generated)}), "
+        f"{stale} dropped stale ({pct(stale, generated)}), {screened} screened out at their first rollouts "
+        f"({pct(screened, generated)}): {pct(zero + stale + screened, generated)} taught nothing"
         + (f"; {trained - fresh:.0f} of the trained were replays" if fresh is not None else "")
     )
+    rollouts, wasted = total("rollouts"), total("wasted_rollouts")
+    taught = generated - zero - stale - screened
+    if rollouts:  # runs before these counters: groups only
+        toks, wasted_toks = total("generated_tokens") or 0.0, total("wasted_tokens") or 0.0
+        print(
+            f"generation on groups that taught nothing: {wasted:.0f} of {rollouts:.0f} rollouts "
+            f"({pct(wasted or 0.0, rollouts)}), {wasted_toks:.0f} of {toks:.0f} generated tokens "
+            f"({pct(wasted_toks, toks)}); spent per group that taught: {rollouts / max(1, taught):.1f} rollouts, "
+            f"{toks / max(1, taught):.0f} tokens"
+        )
 
 
 def main() -> None:

@@ -148,6 +148,7 @@ def build_loop(
         records_config=records_config(config, parts.engine),
         max_attempts=max_attempts,
         sampler=sampler,
+        screen_samples=rl.screen_samples,
     )
     return loop, parts
 

@@ -27,7 +27,21 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
    with no group trained twice and none lost.
 
 The loop also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
-enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding.
+enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding (not yet trained,
+dropped or screened out).
+
+Groups sized to the task (``screen_samples`` = k > 0): a group on a task never run before starts with k rollouts.
+When its k rewards all agree it is *screened out*: consumed with the next step, never trained, its generation
+stopped at k of ``samples_per_task``. When they differ, the loop enqueues the rest of the group (``samples_per_task
+- k`` rollouts, group id ``train-<k>-rest``, idempotent) and trains both as one group of ``samples_per_task``
+rollouts once both finished: the advantages see all of them, the screening rollouts first. Every decision is a
+function of what the store holds (group sizes, finished rollouts, rewards), so a restart takes it again and asks
+for a rest group that already exists, which is a no-op. Replays (``trainer/sampling.py``: their task's last group
+had variance) run full groups at once. Screened-out groups do not count towards ``tasks_per_step``: each step
+still trains that many full groups. The fresh-task success the target check watches counts only the k screening
+rollouts of each fresh task (screened out or not), so every task weighs the same whatever its group grew to.
+Staleness: the rest is asked for only once the first rollouts finished and waits behind the groups already queued,
+so a grown group's first rollouts may be one version older than ``max_staleness`` (its rest is held to the bound).
 
 ``run_rl`` runs the in-process agent workers around ``train_steps`` and, with a target gain (``[rl] target_gain``,
 ``trainer/stopping.py``), pauses for held-out checks (``evaluate``); evaluations sample by their split's rule
@@ -103,6 +117,38 @@ def _rewards_of(group: FinishedGroup) -> list[float]:
     return [r for r in map(rollout_reward, group.rollouts) if r is not None]
 
 
+REST = "-rest"
+"""The group id suffix of the rest of a screened group: ``train-<k>-rest`` completes ``train-<k>``."""
+
+
+def group_ids(group: FinishedGroup) -> list[str]:
+    """The store's group ids behind ``group``: its own, then its rest group's when it was merged with one."""
+    return list(dict.fromkeys([group.group.group_id, *(d.rollout.group_id for d in group.rollouts)]))
+
+
+def merge_rest(base: FinishedGroup, rest: FinishedGroup) -> FinishedGroup:
+    """A screened group and its rest as one group (the screening rollouts first), trained as one: its id and task
+    are the screening group's, its ``n`` the sum."""
+    group = base.group.model_copy(update={"n": base.group.n + rest.group.n})
+    return FinishedGroup(group, [*base.rollouts, *rest.rollouts])
+
+
+def generated_tokens(group: FinishedGroup) -> int:
+    """Completion tokens the policy generated for the group (every attempt, trained or not)."""
+    return sum(len(c.completion_ids) for d in group.rollouts for a in d.attempts for c in a.calls if c.is_policy)
+
+
+@dataclass
+class Taken:
+    """What one wait for groups found: ``fresh`` (to train, oldest first), ``stale`` (to drop), ``screened``
+    (screened out: their first rollouts all agreed) and ``extend`` (screening groups whose rest is due)."""
+
+    fresh: list[FinishedGroup] = field(default_factory=list)
+    stale: list[FinishedGroup] = field(default_factory=list)
+    screened: list[FinishedGroup] = field(default_factory=list)
+    extend: list[FinishedGroup] = field(default_factory=list)
+
+
 @dataclass
 class StepReport:
     """What one training step did (a row of metrics.jsonl)."""
@@ -128,6 +174,11 @@ class StepReport:
     engine_busy_s: float = 0.0  # engine thread time spent generating during the step
     loop_cpu_s: float = 0.0  # CPU of the event-loop thread during the step: proxy, store, in-process agents
     fresh_groups: int = 0  # groups on tasks never trained on before (the rest are replays, see sampling.py)
+    screened_groups: int = 0  # screened out at their first rollouts (never trained; see screen_samples)
+    rollouts: int = 0  # rollouts of the step's groups: trained, dropped stale and screened out
+    wasted_rollouts: int = 0  # of those, the rollouts of groups that taught nothing (no record trained)
+    generated_tokens: int = 0  # policy completion tokens of the step's groups
+    wasted_tokens: int = 0  # of those, the tokens of groups that taught nothing
     fresh_success_rate: float | None = None  # sampled success of the fresh groups' rollouts
     metrics: dict[str, float] = field(default_factory=dict)
     fresh_outcomes: list[float] = field(default_factory=list, repr=False)
@@ -158,7 +209,12 @@ class TrainingLoop:
         records_config: RecordsConfig | None = None,
         max_attempts: int = 1,
         sampler: TaskSampler | None = None,
+        screen_samples: int = 0,
     ) -> None:
+        if screen_samples and not 2 <= screen_samples < samples_per_task:
+            raise ValueError(
+                f"screen_samples {screen_samples} must be 0 (off) or in [2, samples_per_task = {samples_per_task})"
+            )
         self.store = store
         self.engine = engine
         self.learner = learner
@@ -172,6 +228,8 @@ class TrainingLoop:
         self.samples_per_task = samples_per_task
         self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
         self.max_staleness = max_staleness
+        # the first rollouts of a fresh task's group; the rest only when they disagree (0: whole groups at once)
+        self.screen_samples = screen_samples
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
         self.step = 0
         self.version = engine.policy_version
@@ -180,6 +238,8 @@ class TrainingLoop:
         self.sampler = sampler
         self.consumed: dict[int, dict[str, list[str]]] = {}
         self.dropped_total = 0
+        self._extended: set[str] = set()  # screening groups whose rest this process enqueued
+        self._screened_waiting = 0  # screened-out groups the last read found, consumed with the next step
         self.learner_busy_s = 0.0
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
@@ -204,7 +264,13 @@ class TrainingLoop:
         """Enqueue train tasks until ``(1 + max_staleness) * tasks_per_step`` groups are outstanding."""
         if not self.train_tasks:
             return
-        consumed = sum(len(v.get("trained", [])) + len(v.get("dropped", [])) for v in self.consumed.values())
+        consumed = self._screened_waiting + sum(
+            1
+            for v in self.consumed.values()
+            for key in ("trained", "dropped", "screened")
+            for gid in v.get(key, [])
+            if not gid.endswith(REST)  # a rest group is part of its task's group, counted once
+        )
         want = (1 + self.max_staleness) * self.tasks_per_step - (self.next_task - consumed)
         if want <= 0:
             return
@@ -213,18 +279,54 @@ class TrainingLoop:
             tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
         else:
             tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
-        await self.store.enqueue(
-            tasks,
-            n=self.samples_per_task,
-            split="train",
-            max_attempts=self.max_attempts,
-            group_ids=[f"train-{k}" for k in ks],
-        )
+        sizes = [self._first_size(f"train-{k}") for k in ks]
+        i = 0
+        while i < len(tasks):  # runs of equal size, in order
+            j = i
+            while j < len(tasks) and sizes[j] == sizes[i]:
+                j += 1
+            await self.store.enqueue(
+                tasks[i:j],
+                n=sizes[i],
+                split="train",
+                max_attempts=self.max_attempts,
+                group_ids=[f"train-{k}" for k in ks[i:j]],
+            )
+            i = j
         self.next_task += want
 
+    def _first_size(self, group_id: str) -> int:
+        """How many rollouts a new group starts with: ``screen_samples`` on a fresh task, else the whole group."""
+        if not self.screen_samples:
+            return self.samples_per_task
+        fresh = self.sampler.is_fresh(group_id) if self.sampler is not None else True
+        return self.screen_samples if fresh is not False else self.samples_per_task
+
+    def _is_screening(self, group: FinishedGroup) -> bool:
+        """A group that started smaller than a whole group (and is not a rest): its first rollouts decide."""
+        return (
+            self.screen_samples > 0
+            and group.group.n < self.samples_per_task
+            and not group.group.group_id.endswith(REST)
+        )
+
+    async def _extend(self, groups: list[FinishedGroup]) -> None:
+        """Enqueue the rest of each screening group whose first rollouts disagreed (idempotent on the rest's id)."""
+        todo = [g for g in groups if g.group.group_id not in self._extended]
+        for g in todo:
+            await self.store.enqueue(
+                [g.group.task],
+                n=self.samples_per_task - g.group.n,
+                split="train",
+                max_attempts=self.max_attempts,
+                group_ids=[g.group.group_id + REST],
+            )
+            self._extended.add(g.group.group_id)
+
     # -- one step ------------------------------------------------------------------------------------------------
-    async def _take_groups(self, stop: Callable[[], bool]) -> tuple[list[FinishedGroup], list[FinishedGroup], float]:
-        """Wait for ``tasks_per_step`` fresh finished groups; returns (fresh, stale, seconds waited).
+    async def _take_groups(self, stop: Callable[[], bool]) -> tuple[Taken, float]:
+        """Wait for ``tasks_per_step`` fresh finished groups; returns what the last read found (``Taken``) and the
+        seconds waited. Each read also enqueues the rest of the screening groups whose first rollouts disagreed.
 
         Reading the finished groups loads each with its calls (read every 50 ms, that was 25% of an RL step's
         profile), so it is done only when it can have changed: an in-process store signals every ended attempt
@@ -235,8 +337,7 @@ class TrainingLoop:
         t0 = time.perf_counter()
         ends = getattr(self.store, "attempt_ends", None)
         ends = ends if isinstance(ends, AttemptEnds) else None
-        fresh: list[FinishedGroup] = []
-        stale: list[FinishedGroup] = []
+        taken = Taken()
         seen: int | None = None  # the signal's count when the groups were last read (None: never read)
         last_read = 0.0
         while True:
@@ -244,15 +345,17 @@ class TrainingLoop:
             if ends is None or seen != ends.count:
                 seen = ends.count if ends is not None else 0  # before the read: an end during it reads again
                 last_read = time.perf_counter()
-                fresh, stale = self._split_fresh(
+                taken = self._split_fresh(
                     await self.store.finished_groups(limit=4 * self.tasks_per_step + 64, split="train")
                 )
-                if len(fresh) >= self.tasks_per_step:
-                    return fresh, stale, time.perf_counter() - t0
+                self._screened_waiting = len(taken.screened)
+                await self._extend(taken.extend)
+                if len(taken.fresh) >= self.tasks_per_step:
+                    return taken, time.perf_counter() - t0
             if stop():
-                return fresh, stale, time.perf_counter() - t0
+                return taken, time.perf_counter() - t0
             await self.store.expire_leases()
-            spacing = self._spacing(self.tasks_per_step - len(fresh))
+            spacing = self._spacing(self.tasks_per_step - len(taken.fresh))
             await asyncio.sleep(max(0.0, last_read + spacing - time.perf_counter()))
             if ends is not None:
                 await ends.wait(seen, self.IDLE_S)
@@ -264,17 +367,53 @@ class TrainingLoop:
         """The least time between two reads of the finished groups: longer while many groups are missing."""
         return 0.05 if missing <= 2 else min(0.4, 0.05 * missing)
 
-    def _split_fresh(self, finished: list[FinishedGroup]) -> tuple[list[FinishedGroup], list[FinishedGroup]]:
-        """(the oldest ``tasks_per_step`` groups within ``max_staleness`` versions, every staler group)."""
-        fresh: list[FinishedGroup] = []
-        stale: list[FinishedGroup] = []
+    def _is_stale(self, group: FinishedGroup) -> bool:
+        """Sampled more than ``max_staleness`` versions ago. A grown group's rest is held to that bound and its
+        screening rollouts to one version more: the rest is asked for only once they finished, and waits in the
+        queue behind the groups enqueued before it."""
+        gid = group.group.group_id
+        rest = [d for d in group.rollouts if d.rollout.group_id != gid]
+        if not rest:
+            v = group_version(group)
+            return v is not None and self.version - v > self.max_staleness
+        first = FinishedGroup(group.group, [d for d in group.rollouts if d.rollout.group_id == gid])
+        v_first, v_rest = group_version(first), group_version(FinishedGroup(group.group, rest))
+        return (v_first is not None and self.version - v_first > self.max_staleness + 1) or (
+            v_rest is not None and self.version - v_rest > self.max_staleness
+        )
+
+    def _split_fresh(self, finished: list[FinishedGroup]) -> Taken:
+        """The oldest ``tasks_per_step`` groups within ``max_staleness`` versions (a screening group merged with
+        its finished rest), every staler group, the screened-out groups and the screening groups due a rest.
+
+        A screening group whose first rollouts disagree but that is stale already is dropped without a rest; a rest
+        whose screening group is no longer waiting (dropped stale meanwhile: it finished before its rest was asked
+        for, so it would be in ``finished``, which is oldest first) is dropped too."""
+        by_id = {g.group.group_id: g for g in finished}
+        out = Taken()
         for g in finished:
-            v = group_version(g)
-            if v is not None and self.version - v > self.max_staleness:
-                stale.append(g)
-            elif len(fresh) < self.tasks_per_step:
-                fresh.append(g)
-        return fresh, stale
+            gid = g.group.group_id
+            if gid.endswith(REST):
+                if gid[: -len(REST)] not in by_id:
+                    out.stale.append(g)
+                continue
+            if self._is_screening(g):
+                rest = by_id.get(gid + REST)
+                if rest is None:
+                    rewards = _rewards_of(g)
+                    if not (len(rewards) >= 2 and max(rewards) > min(rewards)):
+                        out.screened.append(g)  # never trained, however old
+                    elif self._is_stale(g):  # no room left for its rest within the bound
+                        out.stale.append(g)
+                    else:
+                        out.extend.append(g)
+                    continue
+                g = merge_rest(g, rest)
+            if self._is_stale(g):
+                out.stale.append(g)
+            elif len(out.fresh) < self.tasks_per_step:
+                out.fresh.append(g)
+        return out
 
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
@@ -282,13 +421,17 @@ class TrainingLoop:
         cpu_start = time.thread_time()
         tokens_before = self.engine.stats["tokens"]
         busy_before = _engine_busy(self.engine)
-        fresh, stale, waited = await self._take_groups(stop)
+        taken, waited = await self._take_groups(stop)
+        fresh, stale, screened = taken.fresh, taken.stale, taken.screened
         if len(fresh) < self.tasks_per_step:
             return None
         step = self.step + 1
         t_records = time.perf_counter()
         built = build_records(fresh, self.records_config)
-        new_groups, new_outcomes = self._observe(fresh, stale, built.reports)
+        new_groups, new_outcomes = self._observe(fresh, stale, screened, built.reports)
+        taught = {r.group_id for r in built.records}
+        useless = [g for g in fresh if g.group.group_id not in taught] + stale + screened
+        every = fresh + stale + screened
         rewards = [r.reward for r in built.reports if r.reward is not None]
         finals = [r.final_reward for r in built.reports if r.final_reward is not None]  # per-call rewards left out
         n_rollouts = sum(len(g.rollouts) for g in fresh)
@@ -305,17 +448,21 @@ class TrainingLoop:
         else:
             new_version = self.version
         self.consumed[step] = {
-            "trained": [g.group.group_id for g in fresh],
-            "dropped": [g.group.group_id for g in stale],
+            "trained": [gid for g in fresh for gid in group_ids(g)],
+            "dropped": [gid for g in stale for gid in group_ids(g)],
         }
+        if screened:
+            self.consumed[step]["screened"] = [g.group.group_id for g in screened]
         t_save = time.perf_counter()
         await asyncio.to_thread(
             save_checkpoint,
             self.run_dir,
             Checkpoint(step, new_version, self.learner.state_dict(), self.consumed, self.next_task),
         )
-        await self.store.consume_groups(step, self.consumed[step]["trained"] + self.consumed[step]["dropped"])
+        await self.store.consume_groups(step, [gid for ids in self.consumed[step].values() for gid in ids])
         self.step = step
+        self._screened_waiting = 0
+        self._extended.difference_update(self.consumed[step]["trained"] + self.consumed[step]["dropped"])
         t_publish = time.perf_counter()
         save_s = t_publish - t_save
         if new_version != self.version:
@@ -348,30 +495,51 @@ class TrainingLoop:
             engine_busy_s=_engine_busy(self.engine) - busy_before,
             loop_cpu_s=time.thread_time() - cpu_start,
             fresh_groups=new_groups,
+            screened_groups=len(screened),
+            rollouts=sum(len(g.rollouts) for g in every),
+            wasted_rollouts=sum(len(g.rollouts) for g in useless),
+            generated_tokens=sum(map(generated_tokens, every)),
+            wasted_tokens=sum(map(generated_tokens, useless)),
             fresh_success_rate=(sum(new_outcomes) / len(new_outcomes)) if new_outcomes else None,
             metrics=metrics,
             fresh_outcomes=new_outcomes,
         )
 
     def _observe(
-        self, fresh: list[FinishedGroup], stale: list[FinishedGroup], reports: Sequence[Any]
+        self,
+        fresh: list[FinishedGroup],
+        stale: list[FinishedGroup],
+        screened: list[FinishedGroup],
+        reports: Sequence[Any],
     ) -> tuple[int, list[float]]:
-        """Tell the sampler each consumed group's rewards; returns (groups on never-trained tasks, their rollouts'
-        outcomes). Without a sampler every group counts as fresh."""
-        by_group: dict[str, list[float]] = {}
+        """Tell the sampler each consumed group's rewards; returns (trained groups on never-trained tasks, the
+        outcomes of the fresh tasks' rollouts). Without a sampler every group counts as fresh. A screened or grown
+        group gives only its screening rollouts' outcomes, so each fresh task counts the same number of them."""
+        by_rollout: dict[str, float] = {}
         for r in reports:
             if r.final_reward is not None:  # the outcome: per-call rewards would count a half-fixed task as solved
-                by_group.setdefault(r.group_id, []).append(float(r.final_reward))
+                by_rollout[r.rollout_id] = float(r.final_reward)
         n_new, outcomes = 0, []
         for g in fresh:
             gid = g.group.group_id
-            rewards = by_group.get(gid, [])
+            rewards = [by_rollout[d.rollout.rollout_id] for d in g.rollouts if d.rollout.rollout_id in by_rollout]
             is_new = self.sampler.is_fresh(gid) if self.sampler is not None else True
             if is_new is not False:
                 n_new += 1
-                outcomes += [1.0 if r > 0 else 0.0 for r in rewards]
+                first = [d for d in g.rollouts if d.rollout.group_id == gid]  # without the rest, if any
+                outcomes += [
+                    1.0 if by_rollout[d.rollout.rollout_id] > 0 else 0.0
+                    for d in first
+                    if d.rollout.rollout_id in by_rollout
+                ]
             if self.sampler is not None:
                 self.sampler.observe(gid, rewards)
+        for g in screened:
+            rewards = _rewards_of(g)
+            if (self.sampler.is_fresh(g.group.group_id) if self.sampler is not None else True) is not False:
+                outcomes += [1.0 if r > 0 else 0.0 for r in rewards]
+            if self.sampler is not None:
+                self.sampler.observe(g.group.group_id, rewards)
         if self.sampler is not None:
             for g in stale:  # still a sign of which tasks sit at the frontier
                 self.sampler.observe(g.group.group_id, _rewards_of(g))

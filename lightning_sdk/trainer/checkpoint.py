@@ -33,13 +33,13 @@ class Checkpoint:
     learner: dict[str, Any]
     consumed: dict[int, dict[str, list[str]]] = field(
         default_factory=dict
-    )  # step -> {"trained": [...], "dropped": [...]}
+    )  # step -> {"trained": [...], "dropped": [...], "screened": [...] (only when any)}
     next_task: int = 0  # index of the next train task to enqueue
     extra: dict[str, Any] = field(default_factory=dict)
 
     def groups_of(self, step: int) -> list[str]:
         entry = self.consumed.get(step, {})
-        return list(entry.get("trained", [])) + list(entry.get("dropped", []))
+        return [gid for key in ("trained", "dropped", "screened") for gid in entry.get(key, [])]
 
 
 def save_checkpoint(run_dir: str | Path, ckpt: Checkpoint) -> Path:

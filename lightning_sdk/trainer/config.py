@@ -110,6 +110,13 @@ class RLConfig(_Section):
         0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
     )
     max_replays: int = Field(2, ge=0, description="replays of one task in a row (trainer/sampling.py)")
+    screen_samples: int = Field(
+        0,
+        ge=0,
+        description="start each group on a fresh task with this many rollouts and generate the rest only when "
+        "their rewards differ; a group whose first rollouts all agree is screened out, never trained (0: whole "
+        "groups at once; app/loop.py)",
+    )
 
     @model_validator(mode="after")
     def _groups_of_one_are_asked_for(self) -> RLConfig:
@@ -118,6 +125,20 @@ class RLConfig(_Section):
                 "samples_per_task = 1 makes every group a group of one, which is not trained by default (no "
                 "baseline): set train_single_groups = true with an estimator meant for it (e.g. "
                 "reinforce_plus_plus_baseline), or samples_per_task >= 2"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _screening_fits_the_group(self) -> RLConfig:
+        if self.screen_samples and not 2 <= self.screen_samples < self.samples_per_task:
+            raise ValueError(
+                f"screen_samples = {self.screen_samples} must be 0 (off) or at least 2 and below samples_per_task "
+                f"({self.samples_per_task})"
+            )
+        if self.screen_samples and not self.drop_zero_variance:
+            raise ValueError(
+                "screen_samples leaves out the groups whose first rewards are all equal, which "
+                "drop_zero_variance = false asks to train: set one of them"
             )
         return self
 

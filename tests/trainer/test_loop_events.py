@@ -78,8 +78,8 @@ async def test_the_wait_for_groups_reads_them_only_after_attempts_end(kind: str,
         second = await store.claim("w", split="train")
         assert second is not None
         await store.finish_attempt(second.attempt.attempt_id, AttemptStatus.SUCCEEDED)
-        fresh, stale, _ = await asyncio.wait_for(take, 30)
-        assert sorted(g.group.group_id for g in fresh) == ["train-0", "train-1"] and stale == []
+        taken, _ = await asyncio.wait_for(take, 30)
+        assert sorted(g.group.group_id for g in taken.fresh) == ["train-0", "train-1"] and taken.stale == []
         assert store.reads == 3
     finally:
         await store.close()
@@ -101,8 +101,8 @@ async def test_a_remote_store_is_read_at_bounded_intervals(tmp_path: Path) -> No
                 claim = await store.claim("w", split="train")
                 assert claim is not None
                 await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
-            fresh, _, _ = await asyncio.wait_for(take, 30)
-            assert len(fresh) == 2
+            taken, _ = await asyncio.wait_for(take, 30)
+            assert len(taken.fresh) == 2
         finally:
             await store.close()
 

@@ -78,6 +78,22 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert "held-out success" in stdout.decode()
 
 
+PARITY_AGENT = """
+import openai
+
+import lightning_sdk as ls
+
+
+@ls.rollout(timeout=120)
+async def agent(task, llm):
+    client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0)
+    response = await client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": task["question"]}], max_tokens=16
+    )
+    return float(len(response.choices[0].message.content or "") % 2)
+"""
+
+
 def _consumed_in_store(db: Path) -> dict[str, int]:
     with sqlite3.connect(db) as conn:
         rows = conn.execute(
@@ -86,7 +102,12 @@ def _consumed_in_store(db: Path) -> dict[str, int]:
     return {gid: int(step) for gid, step in rows}
 
 
-def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_path: Path, small_policy: Path) -> None:
+@pytest.mark.parametrize("screen", [0, 2], ids=["whole-groups", "screened-groups"])
+def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(
+    tmp_path: Path, small_policy: Path, screen: int
+) -> None:
+    """With ``screen_samples`` the groups of fresh tasks start at two of four rollouts and are screened out or grown
+    (app/loop.py): the checkpoint and the store still agree on every group, rests and screened-out ones included."""
     steps, per_step = 8, 4
     config = _write_config(
         tmp_path / "train.toml",
@@ -95,15 +116,20 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_pa
         rl={
             "steps": steps,
             "tasks_per_step": per_step,
-            "samples_per_task": 2,
+            "samples_per_task": 4 if screen else 2,
+            "screen_samples": screen,
             "workers": 8,
             "max_tokens": 16,
-            "drop_zero_variance": False,
+            "drop_zero_variance": bool(screen),  # screening needs it (the parity agent gives the variance)
             "max_staleness": 1,
             "max_wall_s": 1000,
         },
         eval={"enabled": False},
     )
+    if screen:  # the untrained policy never solves a calc task: an agent whose reward varies with the sample
+        (tmp_path / "parity_agent.py").write_text(PARITY_AGENT)
+        text = config.read_text().splitlines()
+        config.write_text("\n".join([f'agent = "{tmp_path / "parity_agent.py"}:agent"', *text[1:]]) + "\n")
     out = tmp_path / "run"
     proc = _train(config, out)
     deadline = time.monotonic() + 180
@@ -131,15 +157,25 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(tmp_pa
     # Steps checkpointed before the kill kept their groups: nothing was retrained after the restart.
     for step in range(1, killed_at.step + 1):
         assert final.consumed[step] == killed_at.consumed[step]
-    # Each step trained its own groups; no group in two steps.
+    # Each step trained its own groups (a grown group: its first rollouts' group and its rest); no group in two
+    # steps.
     trained = [gid for s in range(1, steps + 1) for gid in final.consumed[s]["trained"]]
-    assert all(len(final.consumed[s]["trained"]) == per_step for s in range(1, steps + 1))
-    every = trained + [gid for s in final.consumed.values() for gid in s["dropped"]]
+    assert all(
+        len([g for g in final.consumed[s]["trained"] if not g.endswith("-rest")]) == per_step
+        for s in range(1, steps + 1)
+    )
+    every = trained + [gid for s in final.consumed.values() for gid in s["dropped"] + s.get("screened", [])]
     assert len(every) == len(set(every))
+    if screen:  # groups grew and were screened out; every rest was trained with its own first rollouts
+        rests = [g for g in trained if g.endswith("-rest")]
+        assert rests and any(s.get("screened") for s in final.consumed.values())
+        for s in range(1, steps + 1):
+            mine = final.consumed[s]["trained"]
+            assert all(g.removesuffix("-rest") in mine for g in mine if g.endswith("-rest"))
     # The store agrees with the checkpoint exactly: every group it marks consumed was trained (or dropped as
-    # stale) by that very step, and every checkpointed group is marked: none lost, none twice.
+    # stale, or screened out) by that very step, and every checkpointed group is marked: none lost, none twice.
     store = _consumed_in_store(out / "store.db")
-    assert store == {gid: s for s, entry in final.consumed.items() for gid in entry["trained"] + entry["dropped"]}
+    assert store == {gid: s for s in final.consumed for gid in final.groups_of(s)}
     assert all(store[gid] == step for gid, step in before_restart.items())
     assert final.version == steps  # one weight publication per step
     weights = torch.load(out / "checkpoint.pt", weights_only=False)["learner"]["steps"]
