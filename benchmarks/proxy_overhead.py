@@ -11,16 +11,18 @@ Launch (one command, prints a table)::
     python benchmarks/proxy_overhead.py --mock scripted     # the upstream builds every reply (the old mock)
     python benchmarks/proxy_overhead.py --only c=32 --profile FILE   # then py-spy the proxy at concurrency 32
 
-Four processes on loopback: the mock upstream (``tests/support/mock_openai.py``, uvicorn + uvloop + httptools),
-the proxy (``lightning_sdk.proxy`` with a ``PassthroughBackend`` to the mock and a ``SQLiteStore`` in a temp dir,
+Four processes on loopback: the mock upstream (``tests/support/mock_openai.py``, uvicorn + uvloop + httptools), the
+proxy (``lightning_sdk.proxy`` with a ``PassthroughBackend`` to the mock and a ``SQLiteStore`` in a temp dir,
 recording every call), the minimal proxy (``minimal_forwarder``: the body forwarded to the mock and the reply sent
 back, both unchanged; no parsing, no recording: the floor of any Python proxy on this machine) and this load
 generator (aiohttp, one pooled session). For each load — sequential and at concurrency 32 and 256 — the same
 requests go first directly to the mock, then through the minimal proxy, then through the proxy, with one session
-token. Reported: requests/s, the throughput ratios (minimal/direct, proxy/direct, proxy/minimal), the p50/p99
-latency each proxy adds, and each proxy process's CPU milliseconds per request (user + system time from
-/proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included; the proxy's split into
-its event-loop thread and the rest, i.e. the store's writer thread); the load average. Both proxies run under
+token; that round is repeated (``--rounds``, 5 by default: a phase is well under a second, and a slow spell of a
+shared machine hit a single round's ratio by +-0.05) and the round with the median proxy/direct ratio is shown, with
+every round's ratio. Reported: requests/s, the throughput ratios (minimal/direct, proxy/direct, proxy/minimal), the
+p50/p99 latency each proxy adds, and each proxy process's CPU milliseconds per request (user + system time from
+/proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included; the proxy's split into its
+event-loop thread and the rest, i.e. the store's writer thread); the load average. Both proxies run under
 ``serve()`` (with its garbage-collector set-up), the mock with ``tune_gc=False``.
 
 The mock upstream answers from pre-encoded bytes (``canned_mock``: each distinct request body is answered once by
@@ -374,24 +376,30 @@ async def main_async(args: argparse.Namespace) -> None:
                 ("proxy", proxied, proxy, None),
             ]
             rows: list[tuple[str, dict[str, Phase]]] = []
+            spreads: dict[str, list[float]] = {}
             for name, conc, n in loads:
-                phases: dict[str, Phase] = {}
-                for label, url, middle, extra in targets:
-                    mock0 = cpu_seconds(mock.pid)
-                    mid0 = cpu_seconds(middle.pid) if middle is not None else 0.0
-                    main0 = cpu_seconds(middle.pid, main_thread=True) if middle is not None else 0.0
-                    wall, lat = await run_load(session, url, token, n, conc, args.stream, extra)
-                    if middle is proxy:
-                        await asyncio.sleep(0.3)  # let the recorder finish this phase's writes (counted as its CPU)
-                    phases[label] = Phase(
-                        rate=n / wall,
-                        p50=pct(lat, 50),
-                        p99=pct(lat, 99),
-                        mock_ms=(cpu_seconds(mock.pid) - mock0) / n * 1e3,
-                        cpu_ms=(cpu_seconds(middle.pid) - mid0) / n * 1e3 if middle is not None else 0.0,
-                        main_ms=(cpu_seconds(middle.pid, True) - main0) / n * 1e3 if middle is not None else 0.0,
-                    )
-                rows.append((name, phases))
+                rounds: list[dict[str, Phase]] = []
+                for _ in range(args.rounds):  # the targets in turn, several times: a slow spell hits all of them
+                    phases: dict[str, Phase] = {}
+                    for label, url, middle, extra in targets:
+                        mock0 = cpu_seconds(mock.pid)
+                        mid0 = cpu_seconds(middle.pid) if middle is not None else 0.0
+                        main0 = cpu_seconds(middle.pid, main_thread=True) if middle is not None else 0.0
+                        wall, lat = await run_load(session, url, token, n, conc, args.stream, extra)
+                        if middle is proxy:
+                            await asyncio.sleep(0.3)  # let the recorder finish this phase's writes (its CPU)
+                        phases[label] = Phase(
+                            rate=n / wall,
+                            p50=pct(lat, 50),
+                            p99=pct(lat, 99),
+                            mock_ms=(cpu_seconds(mock.pid) - mock0) / n * 1e3,
+                            cpu_ms=(cpu_seconds(middle.pid) - mid0) / n * 1e3 if middle is not None else 0.0,
+                            main_ms=(cpu_seconds(middle.pid, True) - main0) / n * 1e3 if middle is not None else 0.0,
+                        )
+                    rounds.append(phases)
+                ratios = [r["proxy"].rate / r["direct"].rate for r in rounds]
+                spreads[name] = sorted(ratios)
+                rows.append((name, rounds[ratios.index(sorted(ratios)[len(ratios) // 2])]))  # the median round
             if args.profile:
                 await profile(session, proxied, token, proxy.pid, args.profile, args.stream)
     finally:
@@ -421,6 +429,10 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{p.rate / d.rate:>7.2f}{p.rate / di.rate:>9.2f}{p.rate / m.rate:>7.2f}{(p.p50 - d.p50) * 1e3:>8.2f}"
             f"{(p.p99 - d.p99) * 1e3:>8.2f}{(m.p50 - d.p50) * 1e3:>9.2f}{m.cpu_ms:>8.3f}{p.cpu_ms:>8.3f}"
         )
+    if args.rounds > 1:
+        print(f"\neach load: {args.rounds} rounds of the four targets in turn; shown: the round with the median px/dir")
+        for name, ratios in spreads.items():
+            print(f"{name:<11}px/dir of every round: {' '.join(f'{r:.2f}' for r in ratios)}")
     print("\nthe lightning proxy's CPU ms per request: event-loop thread + other threads (the store's writer)")
     for name, ph in rows:
         p = ph["proxy"]
@@ -437,6 +449,9 @@ async def main_async(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of the four targets in turn per load (the median is shown)"
+    )
     parser.add_argument("--stream", action="store_true", help="streamed chat completions")
     parser.add_argument(
         "--minimal", choices=("asgi", "aiohttp"), default="asgi", help="the minimal proxy measured alongside"

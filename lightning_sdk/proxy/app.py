@@ -21,6 +21,7 @@ records, then ends the attempt: a finished attempt's calls are committed before 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -116,6 +117,8 @@ class Proxy:
         self.admin_key = admin_key
         self.config = config or ProxyConfig()
         self.recorder = Recorder(store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch)
+        after_s = self.config.hang_up_watch_after_s
+        self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(
             store,
             ttl_s=self.config.token_ttl_s,
@@ -221,7 +224,7 @@ class Proxy:
             if task is not None:
                 state.tasks.add(task)
             if self.config.cancel_on_disconnect:
-                watch = _HangUpWatch(receive, self.config.hang_up_watch_after_s, task)
+                watch = _HangUpWatch(receive, task, self.hang_ups)
             try:
                 if body.get("stream"):
                     if chat:
@@ -317,38 +320,34 @@ class Proxy:
     def _make_call(
         self, ctx: CallContext, body: dict[str, Any], result: ChatResult | None, chat: bool, started: float
     ) -> Call:
-        """The recorded call (validated: pydantic-core validation is cheaper here than ``model_construct``)."""
+        """The recorded call: validated, unless the backend checked its result's fields (``ChatResult.checked``;
+        the fields are then given in ``Call``'s order, which ``Call.from_checked`` takes as is)."""
         request = {k: v for k, v in body.items() if k not in _TRANSPORT_KEYS}
-        common: dict[str, Any] = {
-            "call_id": ctx.call_id,
-            "attempt_id": ctx.attempt.attempt_id,
-            "rollout_id": ctx.attempt.rollout_id,
-            "seq": ctx.seq,
-            "model": ctx.model,
-            "request": request,
-            "started_at": started,
-            "ended_at": now(),
-            "error": None,
-        }
+        attempt = ctx.attempt
         if result is None:
             is_policy = self.external is None or not self.external.serves(ctx.model)
             return Call(
-                **common,
+                call_id=ctx.call_id,
+                attempt_id=attempt.attempt_id,
+                rollout_id=attempt.rollout_id,
+                seq=ctx.seq,
+                model=ctx.model,
                 is_policy=is_policy,
                 token_source="engine" if is_policy else "external",
-                response={},
-                prompt_ids=[],
-                completion_ids=[],
-                logprobs=[],
+                request=request,
                 policy_version=ctx.policy_version,
-                finish_reason=None,
-                usage={},
-                checks={},
+                started_at=started,
+                ended_at=now(),
             )
-        return Call(
-            **common,
+        return (Call.from_checked if result.checked else Call)(
+            call_id=ctx.call_id,
+            attempt_id=attempt.attempt_id,
+            rollout_id=attempt.rollout_id,
+            seq=ctx.seq,
+            model=ctx.model,
             is_policy=result.is_policy,
             token_source=result.token_source,
+            request=request,
             response=canonical_chat(result.response) if chat else canonical_completion(result.response),
             prompt_ids=result.prompt_ids,
             completion_ids=result.completion_ids,
@@ -357,6 +356,9 @@ class Proxy:
             finish_reason=result.finish_reason,
             usage=result.usage,
             checks=result.checks,
+            started_at=started,
+            ended_at=now(),
+            error=None,
         )
 
     # -- the finish barrier ----------------------------------------------------------------------------------------
@@ -525,27 +527,30 @@ class _HangUpWatch:
 
     After the request body is read, the server's ``receive()`` only returns once the client disconnects (or the
     response is complete); a done-callback on it cancels the serving task. The watch is armed ``after_s`` seconds
-    into the call (a timer, not a task): most fast calls end before that, and a task per request is a tenth of
-    the proxy's CPU per call on a small machine. A hang-up before that is seen when the watch is armed (the server
-    remembers the disconnect), so an LLM generation is never left running for more than ``after_s``.
+    into the call by a ``HangUpSweeper`` (one timer for all calls, not a task or a timer per call: a task per
+    request was a tenth of the proxy's CPU per call on a small machine, a timer per request ~2 us); most fast calls
+    end before that. A hang-up before that is seen when the watch is armed (the server remembers the disconnect),
+    so an LLM generation is never left running for much more than ``after_s``. Without a sweeper it is armed at once.
     """
 
-    __slots__ = ("_active", "_fut", "_task", "_timer", "gone")
+    __slots__ = ("_active", "_fut", "_receive", "_task", "gone")
 
-    def __init__(self, receive: Receive, after_s: float, task: asyncio.Task[Any] | None = None) -> None:
+    def __init__(
+        self, receive: Receive, task: asyncio.Task[Any] | None = None, sweeper: HangUpSweeper | None = None
+    ) -> None:
         self.gone = False
         self._active = True
         self._task = task if task is not None else asyncio.current_task()  # the task serving the request
         self._fut: asyncio.Future[Any] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        if after_s > 0:
-            self._timer = asyncio.get_running_loop().call_later(after_s, self._arm, receive)
+        self._receive: Receive | None = receive
+        if sweeper is not None:
+            sweeper.add(self)
         else:
-            self._arm(receive)
+            self.arm()
 
-    def _arm(self, receive: Receive) -> None:
-        self._timer = None
-        if self._active:
+    def arm(self) -> None:
+        receive, self._receive = self._receive, None
+        if self._active and receive is not None:
             self._fut = asyncio.ensure_future(receive())
             self._fut.add_done_callback(self._on_message)
 
@@ -558,10 +563,47 @@ class _HangUpWatch:
 
     def close(self) -> None:
         self._active = False
-        if self._timer is not None:
-            self._timer.cancel()
+        self._receive = self._task = None  # the sweeper may hold this watch a while longer: not the request's objects
         if self._fut is not None:
             self._fut.cancel()
+
+
+class HangUpSweeper:
+    """Arms each ``_HangUpWatch`` once its call has run ``after_s`` seconds, with one timer for all of them.
+
+    Watches are queued in the order they start (so by deadline); the timer fires at the first deadline, arms every
+    watch that is due (a closed one is dropped) and is set again no sooner than ``after_s / 4`` later, so a busy
+    proxy runs it a few times per ``after_s`` instead of once per call. A watch is armed between ``after_s`` and
+    ``1.25 * after_s`` into its call. One sweeper serves one event loop at a time (a new loop starts afresh).
+    """
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.tick_s = after_s / 4
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._due: collections.deque[tuple[float, _HangUpWatch]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, watch: _HangUpWatch) -> None:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop, self._due, self._timer = loop, collections.deque(), None
+        deadline = loop.time() + self.after_s
+        self._due.append((deadline, watch))
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._sweep)
+
+    def _sweep(self) -> None:
+        loop = self._loop
+        if loop is None or asyncio.get_running_loop() is not loop:
+            return  # a timer of a loop this sweeper has left
+        self._timer = None
+        t = loop.time()
+        due = self._due
+        while due and due[0][0] <= t:
+            due.popleft()[1].arm()
+        if due:
+            self._timer = loop.call_at(max(due[0][0], t + self.tick_s), self._sweep)
 
 
 async def _relay(

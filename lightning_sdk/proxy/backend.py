@@ -69,6 +69,9 @@ class ChatResult:
     checks: dict[str, Any] = field(default_factory=dict)
     is_policy: bool = True
     error: str | None = None
+    checked: bool = False
+    """True when every field already has its type in ``Call`` (ids ints in [0, 2^31), log-probs finite floats,
+    usage ints, ...): the proxy then records them without validating again (``Call.from_checked``)."""
 
 
 @dataclass

@@ -393,6 +393,10 @@ class PassthroughBackend:
         elif len(logprobs) != len(completion_ids):
             checks["logprob_count_mismatch"] = [len(logprobs), len(completion_ids)]
         usage = data.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise UpstreamError(
+                f"upstream answer is malformed: usage: expected an object, got {usage!r:.80}", status_code=502
+            )
         return ChatResult(
             response=data,
             prompt_ids=prompt_ids,
@@ -401,8 +405,9 @@ class PassthroughBackend:
             finish_reason=tok.finish_reason,
             token_source="engine" if "missing_token_ids" not in checks else "text_only",
             policy_version=ctx.policy_version,
-            usage={k: v for k, v in usage.items() if isinstance(v, int)},
+            usage={k: v for k, v in usage.items() if type(v) is int},
             checks=checks,
+            checked=True,  # ids and log-probs checked by shapes.py, the rest built here
         )
 
 

@@ -6,6 +6,7 @@ computed by ``_lifecycle`` from the rows read here, then written back.
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from collections.abc import Iterator
 from typing import Any
@@ -264,7 +265,7 @@ def record_calls(conn: Conn, calls: list[Call]) -> None:
     for i in range(0, len(rows), _CALLS_PER_INSERT):
         chunk = rows[i : i + _CALLS_PER_INSERT]
         values = ",".join(["(?,?,?,?,?,?,?,?,?)"] * len(chunk))
-        conn.execute(_INSERT_CALLS + values, [value for row in chunk for value in row])
+        conn.execute(_INSERT_CALLS + values, list(itertools.chain.from_iterable(chunk)))
 
 
 def record_rewards(conn: Conn, rewards: list[Reward]) -> None:

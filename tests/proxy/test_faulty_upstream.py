@@ -69,6 +69,13 @@ MALFORMED: dict[str, bytes] = {
     "token id not an integer": orjson.dumps(_answer(choices=[_good_choice(token_ids=[10, 1.5])])),
     "token id out of range": orjson.dumps(_answer(choices=[_good_choice(token_ids=[10, 2**31])])),
     "prompt id negative": orjson.dumps(_answer(prompt_token_ids=[1, -4])),
+    "token id true": orjson.dumps(_answer(choices=[_good_choice(token_ids=[10, True])])),
+    "token id a string": orjson.dumps(_answer(choices=[_good_choice(token_ids=[10, "11"])])),
+    "prompt ids nested": orjson.dumps(_answer(prompt_token_ids=[[1, 2], 3])),
+    "prompt id beyond 64 bits": b'{"choices": [], "prompt_token_ids": [1, 18446744073709551616]}',
+    "logprob missing": orjson.dumps(_answer(choices=[_good_choice(logprobs={"content": [{"token": "o"}, {}]})])),
+    "logprob true": orjson.dumps(_answer(choices=[_good_choice(logprobs={"content": [{"logprob": True}] * 2})])),
+    "usage a list": orjson.dumps(_answer(usage=[1, 2])),
 }
 
 

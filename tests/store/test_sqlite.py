@@ -242,6 +242,35 @@ async def test_a_schema_1_file_is_migrated_on_open(tmp_path: Path) -> None:
     raw.close()
 
 
+async def test_a_new_file_has_16k_pages_and_an_older_4k_file_keeps_working(tmp_path: Path) -> None:
+    """New store files get 16 KB pages (a recorded call is a 1-10 KB row); a file made with SQLite's default 4 KB
+    pages keeps them (SQLite fixes the page size with the first table) and is read and written as before."""
+    new = SQLiteStore(tmp_path / "new.db")
+    await new.close()
+    raw = sqlite3.connect(tmp_path / "new.db")
+    assert raw.execute("PRAGMA page_size").fetchone() == (16384,)
+    assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    raw.close()
+
+    old_db = tmp_path / "old.db"
+    raw = sqlite3.connect(old_db, isolation_level=None)
+    raw.execute("PRAGMA page_size = 4096")
+    raw.execute("PRAGMA journal_mode = WAL")  # the file as the store wrote it before: 4 KB pages, WAL
+    raw.close()
+    old = SQLiteStore(old_db)
+    try:
+        await old.enqueue([{"q": 1}], n=2, group_ids=["g"])
+        claim = await old.claim("w", lease_s=600)
+        assert claim is not None
+        assert (await old.counts())["running"] == 1
+    finally:
+        await old.close()
+    raw = sqlite3.connect(old_db)
+    assert raw.execute("PRAGMA page_size").fetchone() == (4096,)
+    assert raw.execute("SELECT count(*) FROM rollouts").fetchone() == (2,)
+    raw.close()
+
+
 async def test_sqlite_errors_are_translated(tmp_path: Path) -> None:
     bad = tmp_path / "not-a-db.db"
     bad.write_bytes(b"this is not a sqlite file" * 100)

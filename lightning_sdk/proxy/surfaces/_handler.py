@@ -189,7 +189,7 @@ async def _serve(
         validate_chat(t.chat)  # the checks chat completions get (names in errors are the chat form's)
         t.record["headers"] = session_headers(scope)
         if proxy.config.cancel_on_disconnect:
-            watch = _app._HangUpWatch(receive, proxy.config.hang_up_watch_after_s)
+            watch = _app._HangUpWatch(receive, task, proxy.hang_ups)
         try:
             if stream:
                 chat = dict(t.chat, stream=True, stream_options={"include_usage": True})
