@@ -239,6 +239,7 @@ class TrainingLoop:
         self.consumed: dict[int, dict[str, list[str]]] = {}
         self.dropped_total = 0
         self._extended: set[str] = set()  # screening groups whose rest this process enqueued
+        self._read_limit = 4 * tasks_per_step + 64  # finished groups per read (grows: see _take_groups)
         self._screened_waiting = 0  # screened-out groups the last read found, consumed with the next step
         self.learner_busy_s = 0.0
         self._next_weights: tuple[Any, int] | None = None
@@ -345,13 +346,19 @@ class TrainingLoop:
             if ends is None or seen != ends.count:
                 seen = ends.count if ends is not None else 0  # before the read: an end during it reads again
                 last_read = time.perf_counter()
-                taken = self._split_fresh(
-                    await self.store.finished_groups(limit=4 * self.tasks_per_step + 64, split="train")
-                )
+                finished = await self.store.finished_groups(limit=self._read_limit, split="train")
+                taken = self._split_fresh(finished)
                 self._screened_waiting = len(taken.screened)
                 await self._extend(taken.extend)
                 if len(taken.fresh) >= self.tasks_per_step:
                     return taken, time.perf_counter() - t0
+                if len(finished) >= self._read_limit and self._read_limit < self.MAX_READ:
+                    # a full page and too few groups to train: the screened-out groups waiting for the next step
+                    # and the screening groups waiting for their rests can fill the page and hide the rests
+                    # (created later, so further on): read more at once
+                    self._read_limit = min(self.MAX_READ, 2 * self._read_limit)
+                    seen = None
+                    continue
             if stop():
                 return taken, time.perf_counter() - t0
             await self.store.expire_leases()
@@ -361,6 +368,7 @@ class TrainingLoop:
                 await ends.wait(seen, self.IDLE_S)
 
     IDLE_S = 0.4  # how often the wait for groups checks stop() and leases when no attempt ends
+    MAX_READ = 8192  # the most finished groups one read loads (the page grows up to it while full and too few)
 
     @staticmethod
     def _spacing(missing: int) -> float:
