@@ -22,7 +22,11 @@ shared machine hit a single round's ratio by +-0.05) and the round with the medi
 every round's ratio. Reported: requests/s, the throughput ratios (minimal/direct, proxy/direct, proxy/minimal), the
 p50/p99 latency each proxy adds, and each proxy process's CPU milliseconds per request (user + system time from
 /proc/<pid>/stat over the phase, so the proxy's recording and SQLite writes are included; the proxy's split into its
-event-loop thread and the rest, i.e. the store's writer thread); the load average. Both proxies run under
+event-loop thread and the rest, i.e. the store's writer thread); the load average; and the CPU per request of all
+three processes together (this load generator's own included) with the throughput it allows: every process's busiest
+thread on one core and all of them on the machine's cores. Direct and minimal phases run at the load generator's
+one-core bound; the proxied phase is bound by the three processes' CPU on two cores, so on this machine px/dir is
+about 2 x client / (client + mock + proxy) times how close the phase gets to its bound. Both proxies run under
 ``serve()`` (with its garbage-collector set-up), the mock with ``tune_gc=False``.
 
 The mock upstream answers from pre-encoded bytes (``canned_mock``: each distinct request body is answered once by
@@ -71,6 +75,7 @@ class Phase:
     mock_ms: float
     cpu_ms: float
     main_ms: float = 0.0  # of which the main thread (the event loop); the rest: the store's writer thread
+    client_ms: float = 0.0  # this load generator's CPU per request
 
 
 _MOCK = """
@@ -385,7 +390,9 @@ async def main_async(args: argparse.Namespace) -> None:
                         mock0 = cpu_seconds(mock.pid)
                         mid0 = cpu_seconds(middle.pid) if middle is not None else 0.0
                         main0 = cpu_seconds(middle.pid, main_thread=True) if middle is not None else 0.0
+                        client0 = time.process_time()
                         wall, lat = await run_load(session, url, token, n, conc, args.stream, extra)
+                        client_ms = (time.process_time() - client0) / n * 1e3
                         if middle is proxy:
                             await asyncio.sleep(0.3)  # let the recorder finish this phase's writes (its CPU)
                         phases[label] = Phase(
@@ -395,6 +402,7 @@ async def main_async(args: argparse.Namespace) -> None:
                             mock_ms=(cpu_seconds(mock.pid) - mock0) / n * 1e3,
                             cpu_ms=(cpu_seconds(middle.pid) - mid0) / n * 1e3 if middle is not None else 0.0,
                             main_ms=(cpu_seconds(middle.pid, True) - main0) / n * 1e3 if middle is not None else 0.0,
+                            client_ms=client_ms,
                         )
                     rounds.append(phases)
                 ratios = [r["proxy"].rate / r["direct"].rate for r in rounds]
@@ -440,6 +448,20 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"\nthe mock engine's ({mock_kind}) CPU ms per request in each phase (the proxy asks for ids and log-probs):")
     for name, ph in rows:
         print(f"{name:<11}" + "".join(f"{label} {ph[label].mock_ms:.3f}   " for label in ph))
+    cores = os.cpu_count() or 1
+    print(
+        f"\nCPU ms per request of every process in each phase (client + mock + proxy) and the throughput those allow "
+        f"(requests/s: {cores} cores shared, each process's busiest thread on one core; measured / that bound)"
+    )
+    for name, ph in rows:
+        parts = []
+        for label in ph:
+            x = ph[label]
+            total = x.client_ms + x.mock_ms + x.cpu_ms
+            busiest = max(x.client_ms, x.mock_ms, x.main_ms or x.cpu_ms)  # each process's serial part is one thread
+            bound = min(cores / total, 1 / busiest) * 1e3 if total > 0 else float("inf")
+            parts.append(f"{label} {total:.3f} ({bound:,.0f}; {x.rate / bound:.2f})")
+        print(f"{name:<11}" + "   ".join(parts))
     print(
         "\ndir+ids: direct requests asking for what the proxy asks upstream (return_token_ids, logprobs)."
         "\ntargets: proxy CPU <= 0.150 ms/req and px/dir >= 0.50 at c=32; +p50 <= 1.00 ms sequential"

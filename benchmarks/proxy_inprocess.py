@@ -1,0 +1,238 @@
+"""The proxy's own CPU per call without sockets: the ASGI app driven directly, the engine's answer canned.
+
+Launch (one command, prints a table)::
+
+    python benchmarks/proxy_inprocess.py                  # 3 rounds x 30,000 calls at concurrency 32
+    python benchmarks/proxy_inprocess.py --calls 10000 --rounds 2
+
+``benchmarks/proxy_overhead.py`` measures the proxy on loopback, where uvicorn, uvloop's socket work, the load
+generator and the mock engine share the two cores with it and a round's figures move with the machine. This one
+measures only what the proxy's own code costs a call: the real ``create_app`` with a real ``PassthroughBackend``
+whose pooled HTTP client is replaced by one that returns the mock engine's reply bytes at once (``MockOpenAI``'s
+answer with token ids and log-probs, as vLLM sends them), and a real ``SQLiteStore`` on a temp dir recording every
+call. The load: ``--concurrency`` tasks sending chat completions through the app's ASGI entry point on one session
+token. Reported per call: CPU of the event-loop thread (request parsing and validation, the passthrough's reading
+of ids and log-probs, the record, the recorder hand-off), of the whole process (plus the store's writer thread:
+rows and SQLite), the garbage collector's share (``gc.callbacks``) and wall time; then the same with recording
+off (``record_calls`` a no-op) in the same run, and the ratios. The process runs with ``serve()``'s GC set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Round:
+    main_us: float
+    process_us: float
+    gc_us: float
+    wall_us: float
+
+
+def engine_reply() -> bytes:
+    """The mock engine's answer to the benchmark's request, with token ids and log-probs (vLLM's wire format)."""
+    from starlette.testclient import TestClient
+
+    from tests.support.mock_openai import MockOpenAI
+
+    body = {"model": "policy", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 64}
+    with TestClient(MockOpenAI(record_requests=False).app) as client:
+        r = client.post("/v1/chat/completions", json={**body, "return_token_ids": True, "logprobs": True})
+    r.raise_for_status()
+    return r.content
+
+
+class _Canned:
+    """A complete 200 reply from the pool (what ``Http1Pool.send`` returns once the engine answered)."""
+
+    _conn = None
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.status = 200
+        self.headers = [(b"content-type", b"application/json")]
+
+    async def read(self) -> bytes:
+        return self._data
+
+    def close(self) -> None:
+        pass
+
+
+async def _asgi(app: Any, method: str, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> list[Any]:
+    sent: list[Any] = []
+    done = False
+    never = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        nonlocal done
+        if done:  # after the body: the connection stays open (what a server's receive does)
+            await never.wait()
+        done = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "server": ("127.0.0.1", 4700),
+        "client": ("127.0.0.1", 50000),
+    }
+    await app(scope, receive, send)
+    return sent
+
+
+async def measure(calls: int, rounds: int, concurrency: int, record: bool, reply: bytes) -> list[Round]:
+    from lightning_sdk.proxy import PassthroughBackend, create_app
+    from lightning_sdk.store import SQLiteStore
+
+    tmp = tempfile.mkdtemp(prefix="ls-inproc-")
+    store = SQLiteStore(f"{tmp}/store.db")
+    if not record:
+
+        async def nothing(batch: Any) -> None:
+            return None
+
+        store.record_calls = nothing  # type: ignore[method-assign]
+    backend = PassthroughBackend("http://127.0.0.1:9/v1")
+
+    async def send(method: str, path: str, body: bytes, headers: dict[str, str]) -> _Canned:
+        return _Canned(reply)
+
+    backend._pool.send = send  # type: ignore[method-assign,assignment]
+    app = create_app(store, policy_backend=backend, admin_key="bench")
+    proxy = app.state.proxy
+    life_in: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    life_out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await life_in.put({"type": "lifespan.startup"})
+    life = asyncio.create_task(app({"type": "lifespan", "asgi": {"version": "3.0"}}, life_in.get, life_out.put))
+    started = await life_out.get()
+    assert started["type"] == "lifespan.startup.complete", started
+    admin = [(b"authorization", b"Bearer bench"), (b"content-type", b"application/json")]
+    sent = await _asgi(app, "POST", "/lightning/v1/sessions", orjson.dumps({"task": {"bench": True}}), admin)
+    token = orjson.loads(sent[1]["body"])["token"]
+    body = orjson.dumps(
+        {"model": "policy", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 64}
+    )
+    headers = [
+        (b"authorization", f"Bearer {token}".encode()),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+
+    async def load(n: int) -> None:
+        left = n
+
+        async def worker() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                answer = await _asgi(app, "POST", "/v1/chat/completions", body, headers)
+                if answer[0]["status"] != 200:
+                    raise RuntimeError(f"the proxy answered {answer[0]['status']}: {answer[1]['body'][:200]!r}")
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    gc_s = 0.0
+    gc_t0 = 0.0
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        nonlocal gc_s, gc_t0
+        if phase == "start":
+            gc_t0 = time.perf_counter()
+        else:
+            gc_s += time.perf_counter() - gc_t0
+
+    await load(min(2000, calls))  # warm-up: imports, caches, the SQLite file
+    await proxy.recorder.drain()
+    gc.callbacks.append(on_gc)
+    out = []
+    try:
+        for _ in range(rounds):
+            gc_s = 0.0
+            p0, m0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+            await load(calls)
+            m1, w1 = time.thread_time(), time.perf_counter()
+            await proxy.recorder.drain()  # the writer's CPU for this round's calls is counted too
+            p1 = time.process_time()
+            out.append(
+                Round((m1 - m0) / calls * 1e6, (p1 - p0) / calls * 1e6, gc_s / calls * 1e6, (w1 - w0) / calls * 1e6)
+            )
+    finally:
+        gc.callbacks.remove(on_gc)
+        await life_in.put({"type": "lifespan.shutdown"})
+        await life
+    if record:
+        assert proxy.recorder.written_calls >= calls * rounds, proxy.recorder.written_calls
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=30000, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    from lightning_sdk.proxy.serve import tune_gc_for_serving
+
+    reply = engine_reply()
+    tune_gc_for_serving()
+    import os
+
+    results = {}
+    for record in (True, False):
+        results[record] = asyncio.run(measure(args.calls, args.rounds, args.concurrency, record, reply))
+    print(
+        f"\nthe proxy's own CPU per call, in-process ({args.rounds} x {args.calls:,} calls at concurrency "
+        f"{args.concurrency}; an engine reply of {len(reply):,} bytes; load average {os.getloadavg()[0]:.2f})\n"
+    )
+    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
+    print(head)
+    print("-" * len(head))
+    med = {}
+    for record, label in ((True, "recording (default)"), (False, "recording off")):
+        rs = results[record]
+        med[record] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
+        m = med[record]
+        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
+    on, off = med[True], med[False]
+    print(
+        f"\nrecording's share (medians): event loop {on.main_us / off.main_us:.2f}x, process "
+        f"{on.process_us / off.process_us:.2f}x, wall {on.wall_us / off.wall_us:.2f}x of the app with recording off"
+    )
+
+
+if __name__ == "__main__":
+    main()
