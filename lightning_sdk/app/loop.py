@@ -296,12 +296,16 @@ class TrainingLoop:
             i = j
         self.next_task += want
 
+    def _on_fresh_task(self, group_id: str) -> bool:
+        """Whether the group runs a task never trained on (the sampler's word; without a sampler every group does,
+        and a group the sampler does not know counts as fresh)."""
+        return self.sampler is None or self.sampler.is_fresh(group_id) is not False
+
     def _first_size(self, group_id: str) -> int:
         """How many rollouts a new group starts with: ``screen_samples`` on a fresh task, else the whole group."""
         if not self.screen_samples:
             return self.samples_per_task
-        fresh = self.sampler.is_fresh(group_id) if self.sampler is not None else True
-        return self.screen_samples if fresh is not False else self.samples_per_task
+        return self.screen_samples if self._on_fresh_task(group_id) else self.samples_per_task
 
     def _is_screening(self, group: FinishedGroup) -> bool:
         """A group that started smaller than a whole group (and is not a rest): its first rollouts decide."""
@@ -531,8 +535,7 @@ class TrainingLoop:
         for g in fresh:
             gid = g.group.group_id
             rewards = [by_rollout[d.rollout.rollout_id] for d in g.rollouts if d.rollout.rollout_id in by_rollout]
-            is_new = self.sampler.is_fresh(gid) if self.sampler is not None else True
-            if is_new is not False:
+            if self._on_fresh_task(gid):
                 n_new += 1
                 first = [d for d in g.rollouts if d.rollout.group_id == gid]  # without the rest, if any
                 outcomes += [
@@ -544,7 +547,7 @@ class TrainingLoop:
                 self.sampler.observe(gid, rewards)
         for g in screened:
             rewards = _rewards_of(g)
-            if (self.sampler.is_fresh(g.group.group_id) if self.sampler is not None else True) is not False:
+            if self._on_fresh_task(g.group.group_id):
                 outcomes += [1.0 if r > 0 else 0.0 for r in rewards]
             if self.sampler is not None:
                 self.sampler.observe(g.group.group_id, rewards)
