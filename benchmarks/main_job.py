@@ -11,9 +11,10 @@ Runs the real command in a subprocess (peak RSS from the child's rusage), then r
   that one met it;
 - the phases: start-up (policy built, proxy up), warm start, evaluations (before, target checks, after), RL, and
   saving the model;
-- the RL steps from the learner's side: waiting for groups (learner idle), building records, the learner's update,
-  checkpoint + consume, weight publication; beside them the engine's generation time and the CPU of the event-loop
-  thread (proxy, store, in-process agents), which run concurrently;
+- the RL steps from the learner's side: waiting for groups (learner idle: the first three steps, the two after each
+  held-out check and the others; and the share counting the evaluation before RL, when the learner cannot train
+  yet), building records, the learner's update, checkpoint + consume, weight publication; beside them the engine's
+  generation time and the CPU of the event-loop thread (proxy, store, in-process agents), which run concurrently;
 - wasted generation: the share of generated groups that taught nothing (zero reward variance, dropped as stale,
   or screened out at their first rollouts: ``rl.screen_samples``), the same share of the rollouts and of the
   generated tokens (what the run spent on them), the rollouts and tokens spent per group that taught, and how many
@@ -119,6 +120,8 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
         v = total(key)
         share = f" ({100 * v / steps_wall:.0f}%)" if v is not None and steps_wall else ""
         print(f"  {label:<36} {'n/a' if v is None else f'{v:.1f}'}{share}")
+        if key == "wait_s" and v is not None and steps_wall:
+            idle_breakdown(rows, checks, v, steps_wall, ev_before, tl)
     print("  concurrently:")
     for key, label in (("engine_busy_s", "generation (engine thread busy)"), ("loop_cpu_s", "proxy/store/agents CPU")):
         v = total(key)
@@ -152,6 +155,35 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
             f"({pct(wasted_toks, toks)}); spent per group that taught: {rollouts / max(1, taught):.1f} rollouts, "
             f"{toks / max(1, taught):.0f} tokens"
         )
+
+
+def idle_breakdown(
+    rows: list[dict[str, Any]],
+    checks: list[dict[str, Any]],
+    waited: float,
+    steps_wall: float,
+    ev_before: float,
+    tl: dict[str, float],
+) -> None:
+    """Where the learner's wait went: the first steps (the pipeline filling: each needs a batch generated after
+    the previous step's weights), the two steps after each held-out check (RL generation paused for it), the rest
+    (a learner step shorter than generating the next batch); and the idle share counting the evaluation before RL,
+    during which the learner cannot train (the baseline is measured on the starting weights) and, with ``[rl]
+    generate_during_eval``, the first groups are generated."""
+    first = sum(r["wait_s"] for r in rows[:3])
+    after_check = {c["step"] + k for c in checks for k in (1, 2)}
+    post = sum(r["wait_s"] for r in rows[3:] if r["step"] in after_check)
+    parts = " + ".join(f"{r['wait_s']:.1f}" for r in rows[:3])
+    print(
+        f"    of which: first 3 steps {first:.1f} ({parts}), "
+        f"2 steps after each held-out check {post:.1f}, other steps {waited - first - post:.1f}"
+    )
+    overlap = tl.get("eval_before_end_s", 0.0) - tl.get("rl_workers_start_s", tl.get("eval_before_end_s", 0.0))
+    print(
+        f"    counting the evaluation before RL ({ev_before:.1f} s"
+        + (f", train rollouts generated during its {overlap:.1f} s" if "rl_workers_start_s" in tl else "")
+        + f"): {100 * (waited + ev_before) / (steps_wall + ev_before):.0f}% idle"
+    )
 
 
 def main() -> None:

@@ -43,8 +43,10 @@ rollouts of each fresh task (screened out or not), so every task weighs the same
 Staleness: the rest is asked for only once the first rollouts finished and waits behind the groups already queued,
 so a grown group's first rollouts may be one version older than ``max_staleness`` (its rest is held to the bound).
 
-``run_rl`` runs the in-process agent workers around ``train_steps`` and, with a target gain (``[rl] target_gain``,
-``trainer/stopping.py``), pauses for held-out checks (``evaluate``); evaluations sample by their split's rule
+``run_rl`` runs the in-process agent workers (``RLWorkers``) around ``train_steps`` and, with a target gain
+(``[rl] target_gain``, ``trainer/stopping.py``), pauses for held-out checks (``evaluate``); ``lightning-sdk train``
+starts the workers of its first stretch with the held-out evaluation before RL (``[rl] generate_during_eval``), so
+the learner's first step does not wait for its whole batch; evaluations sample by their split's rule
 (the proxy's per-split sampling, ``app.job.split_sampling``), never by a setting on the engine.
 
 The engine and learner are whatever ``app/parts.py`` made of the config (the embedded ones, or verl's FSDP ranks
@@ -77,7 +79,17 @@ if TYPE_CHECKING:
     from lightning_sdk.app.parts import LearnerLike, ServingEngine
     from lightning_sdk.trainer.sampling import TaskSampler
 
-__all__ = ["RLResult", "RunStopped", "StepReport", "TrainingLoop", "evaluate", "group_version", "never", "run_rl"]
+__all__ = [
+    "RLResult",
+    "RLWorkers",
+    "RunStopped",
+    "StepReport",
+    "TrainingLoop",
+    "evaluate",
+    "group_version",
+    "never",
+    "run_rl",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -665,10 +677,12 @@ async def run_rl(
     note: Callable[[str], None] = lambda text: None,
     on_rl: Callable[[], None] = lambda: None,
     stop: Callable[[], bool] = never,
+    running: RLWorkers | None = None,
 ) -> RLResult:
     """RL with in-process workers until ``steps``, ``deadline`` or ``stop()`` (``RunStopped``). With a ``target``,
     RL pauses whenever the target is due: the workers release their attempts, ``held_out(split, label)`` evaluates
-    the newest weights, and RL ends when the gain is confirmed, else goes on (``on_rl`` is told)."""
+    the newest weights, and RL ends when the gain is confirmed, else goes on (``on_rl`` is told). ``running``:
+    workers already started (``RLWorkers.start``) that serve the first stretch of RL; run_rl closes them."""
     t_rl = time.perf_counter()
     t_start = t_rl if t_start is None else t_start
     checks: list[dict[str, Any]] = []
@@ -678,9 +692,9 @@ async def run_rl(
         return stop() or pause()
 
     while True:
-        await _with_workers(
-            loop, agent, workers, loop.train_steps(steps, deadline=deadline, on_step=on_step, stop=stop_or_pause)
-        )
+        training = loop.train_steps(steps, deadline=deadline, on_step=on_step, stop=stop_or_pause)
+        await _with_workers(loop, agent, workers, training, running)
+        running = None
         if stop():
             raise RunStopped(loop.step)
         if target is None or not target.due():
@@ -712,15 +726,53 @@ async def run_rl(
     return RLResult(checks, None, time.perf_counter() - t_rl)
 
 
-async def _with_workers(loop: TrainingLoop, agent: Agent, workers: int, training: Awaitable[Any]) -> None:
-    """Run the in-process agent workers while ``training`` runs; they release their in-flight attempts after."""
-    pool = WorkerPool(agent, loop.store, loop.url, n_workers=workers, split="train", poll_s=0.05)
-    stopping = False
-    pool_task = asyncio.create_task(pool.run_until(lambda: stopping))
+class RLWorkers:
+    """The in-process agent workers of RL (train split), running from ``start`` until ``close``, which releases
+    their in-flight attempts (handed back to the queue). ``run_rl`` starts them for each stretch of RL between
+    held-out checks, or takes ones already running for its first stretch: ``lightning-sdk train`` starts them with
+    the held-out evaluation before RL, so the first groups are generated while the baseline is measured (on the
+    same weights: nothing is trained before that evaluation ends) and the learner's first steps find them ready."""
+
+    def __init__(self, loop: TrainingLoop, agent: Agent, workers: int) -> None:
+        self.pool = WorkerPool(agent, loop.store, loop.url, n_workers=workers, split="train", poll_s=0.05)
+        self._stopping = False
+        self._task: asyncio.Task[Any] | None = None
+
+    @classmethod
+    async def start(cls, loop: TrainingLoop, agent: Agent, workers: int) -> RLWorkers:
+        """Enqueue the first groups (``loop.feed``) and start the workers on them."""
+        self = cls(loop, agent, workers)
+        await loop.feed()
+        self._task = asyncio.create_task(self.pool.run_until(lambda: self._stopping))
+        return self
+
+    async def close(self) -> None:
+        """Stop claiming, release the in-flight attempts and close the pool (again: a no-op)."""
+        if self._task is None:
+            return
+        task, self._task = self._task, None
+        self._stopping = True
+        self.pool.stop(release=True)
+        try:
+            await task
+        finally:
+            await self.pool.close()
+
+
+async def _with_workers(
+    loop: TrainingLoop, agent: Agent, workers: int, training: Awaitable[Any], running: RLWorkers | None = None
+) -> None:
+    """Run the in-process agent workers (``running`` if given, else new ones) while ``training`` runs; they release
+    their in-flight attempts after."""
+    pool = running
+    if pool is None:
+        try:
+            pool = await RLWorkers.start(loop, agent, workers)
+        except BaseException:
+            if asyncio.iscoroutine(training):
+                training.close()  # never started: no "never awaited" warning
+            raise
     try:
         await training
     finally:
-        stopping = True
-        pool.stop(release=True)
-        await pool_task
         await pool.close()

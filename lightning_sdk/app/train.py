@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job, split_sampling
-from lightning_sdk.app.loop import StepReport, evaluate, never, run_rl
+from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.data import load_rows
@@ -63,44 +63,57 @@ async def run_training(
             view.set_phase(f"evaluating {len(heldout)} held-out tasks ({label})")
             return await evaluate(loop, agent, heldout, split, config.eval.workers, stop)
 
-        if heldout and "eval_before" not in state:
-            state["eval_before"] = await held_out("eval-before", "before")
-            note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
-        job.mark("eval_before_end_s")
-        state_path.write_text(json.dumps(state))
+        # The RL workers start with the evaluation before RL when it runs: the first groups are generated on the
+        # weights being evaluated (nothing is trained before it ends), so the learner's first steps find them ready
+        # instead of waiting for the whole first batch (loop.RLWorkers; run_rl takes them over).
+        early: RLWorkers | None = None
+        if heldout and "eval_before" not in state and config.rl.generate_during_eval and config.rl.steps > loop.step:
+            early = await RLWorkers.start(loop, agent, config.rl.workers)
+            job.mark("rl_workers_start_s")
+        try:
+            if heldout and "eval_before" not in state:
+                state["eval_before"] = await held_out("eval-before", "before")
+                note(f"held-out success before RL: {100 * state['eval_before']['success_rate']:.1f}%")
+            job.mark("eval_before_end_s")
+            state_path.write_text(json.dumps(state))
 
-        view.set_phase("RL")
-        job.mark("rl_start_s")
-        target = (
-            GainTarget(state["eval_before"]["success_rate"], config.rl.target_gain, margin=config.rl.target_margin)
-            if config.rl.target_gain is not None and heldout and "eval_before" in state
-            else None
-        )
+            view.set_phase("RL")
+            job.mark("rl_start_s")
+            target = (
+                GainTarget(state["eval_before"]["success_rate"], config.rl.target_gain, margin=config.rl.target_margin)
+                if config.rl.target_gain is not None and heldout and "eval_before" in state
+                else None
+            )
 
-        def on_step(report: StepReport) -> None:
-            if target is not None:
-                target.observe_step(report.fresh_outcomes)
-            row = report.as_dict()
-            row["elapsed_s"] = round(time.perf_counter() - t_start, 2)
-            if target is not None:
-                row["fresh_success_rolling"] = target.rolling
-            metrics.write(row)
-            view.step(report)
+            def on_step(report: StepReport) -> None:
+                if target is not None:
+                    target.observe_step(report.fresh_outcomes)
+                row = report.as_dict()
+                row["elapsed_s"] = round(time.perf_counter() - t_start, 2)
+                if target is not None:
+                    row["fresh_success_rolling"] = target.rolling
+                metrics.write(row)
+                view.step(report)
 
-        rl = await run_rl(
-            loop,
-            agent,
-            steps=config.rl.steps,
-            workers=config.rl.workers,
-            on_step=on_step,
-            held_out=held_out,
-            target=target,
-            deadline=t_start + config.rl.max_wall_s if config.rl.max_wall_s else None,
-            t_start=t_start,
-            note=note,
-            on_rl=lambda: view.set_phase("RL"),
-            stop=stop,
-        )
+            rl = await run_rl(
+                loop,
+                agent,
+                steps=config.rl.steps,
+                workers=config.rl.workers,
+                on_step=on_step,
+                held_out=held_out,
+                target=target,
+                deadline=t_start + config.rl.max_wall_s if config.rl.max_wall_s else None,
+                t_start=t_start,
+                note=note,
+                on_rl=lambda: view.set_phase("RL"),
+                stop=stop,
+                running=early,
+            )
+        finally:
+            if early is not None:  # run_rl closed them, unless something failed before it could
+                await early.close()
+
         if rl.reached is not None:
             state["eval_after"] = rl.reached
             timeline["target_reached_s"] = rl.checks[-1]["elapsed_s"]

@@ -117,6 +117,12 @@ class RLConfig(_Section):
         "their rewards differ; a group whose first rollouts all agree is screened out, never trained (0: whole "
         "groups at once; app/loop.py)",
     )
+    generate_during_eval: bool = Field(
+        True,
+        description="lightning-sdk train: start the RL workers with the held-out evaluation before RL, so the first "
+        "groups are generated on the same weights while the baseline is measured and the learner's first steps "
+        "find them ready (false: only once RL starts; app/train.py)",
+    )
 
     @model_validator(mode="after")
     def _groups_of_one_are_asked_for(self) -> RLConfig:

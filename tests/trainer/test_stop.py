@@ -140,6 +140,48 @@ def test_train_sigterm_mid_rl_releases_attempts_checkpoints_and_exits(tmp_path: 
     assert not (out / "summary.json").exists()  # an interrupted run resumes; it has no summary yet
 
 
+def _attempts(db: Path) -> dict[tuple[str, str], int]:
+    """(split, status) -> attempts, read while the run writes (a missing file or table reads as none)."""
+    if not db.exists():
+        return {}
+    try:
+        with sqlite3.connect(db, timeout=5) as conn:
+            rows = conn.execute(
+                "SELECT r.split, a.status, COUNT(*) FROM attempts a JOIN rollouts r USING (rollout_id) "
+                "GROUP BY r.split, a.status"
+            ).fetchall()
+    except sqlite3.OperationalError:
+        return {}
+    return {(str(split), str(status)): int(n) for split, status, n in rows}
+
+
+def test_train_sigterm_during_the_evaluation_before_rl_releases_the_rl_workers_too(
+    tmp_path: Path, small_policy: Path
+) -> None:
+    """The RL workers start with the evaluation before RL (``[rl] generate_during_eval``): a stop then releases
+    both pools' attempts, and the run exits cleanly with no checkpoint (no step was trained)."""
+    config = write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={"enabled": False},
+        rl={"steps": 5, "tasks_per_step": 2, "samples_per_task": 2, "workers": 4, "max_tokens": 16},
+        eval={"n": 200, "workers": 1, "max_tokens": 16},  # one task at a time: still running when stopped
+    )
+    out = tmp_path / "run"
+    proc = _cli("train", str(config), "--output", str(out))
+    db = out / "store.db"
+    _wait_for(
+        proc, lambda: _attempts(db).get(("train", "succeeded"), 0) >= 1 and ("eval-before", "running") in _attempts(db)
+    )
+    code, output, _ = _terminate(proc)
+    assert code == 143, output[-3000:]
+    assert "Traceback" not in output and "ConnectError" not in output, output[-3000:]
+    attempts = _attempts(db)
+    assert not any(status == "running" for _, status in attempts), attempts
+    assert attempts.get(("eval-before", "succeeded"), 0) < 200
+    assert load_checkpoint(out) is None and not (out / "summary.json").exists()
+
+
 def test_train_sigterm_during_warm_start_exits_promptly(tmp_path: Path, small_policy: Path) -> None:
     config = write_config(tmp_path / "train.toml", str(small_policy), warm_start=LONG_WARM_START)
     out = tmp_path / "run"

@@ -76,6 +76,41 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
     assert "held-out success" in stdout.decode()
+    # the RL workers started with the evaluation before RL ([rl] generate_during_eval, on by default): train
+    # rollouts ran while the baseline was measured, and every call of that evaluation (and of those rollouts) was
+    # served by the starting weights, version 0: nothing was published before the baseline was taken
+    tl = summary["timeline"]
+    assert tl["rl_workers_start_s"] <= tl["eval_before_end_s"] <= tl["rl_start_s"]
+    eval_end, train_first = _split_times(out / "store.db", "eval-before")
+    assert train_first < eval_end
+    versions = _versions_before(out / "store.db", eval_end)
+    assert versions["eval-before"] == {0} and versions["train"] == {0}
+
+
+def _split_times(db: Path, split: str) -> tuple[float, float]:
+    """When the last attempt of ``split`` ended, and when the first train attempt started (store clock)."""
+    with sqlite3.connect(db) as conn:
+        (end,) = conn.execute(
+            "SELECT MAX(a.ended_at) FROM attempts a JOIN rollouts r USING (rollout_id) WHERE r.split = ?", (split,)
+        ).fetchone()
+        (first,) = conn.execute(
+            "SELECT MIN(a.started_at) FROM attempts a JOIN rollouts r USING (rollout_id) WHERE r.split = 'train'"
+        ).fetchone()
+    return float(end), float(first)
+
+
+def _versions_before(db: Path, t: float) -> dict[str, set[int]]:
+    """The policy versions of the calls that started before ``t``, per split."""
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT r.split, json_extract(c.body, '$.policy_version') FROM calls c JOIN rollouts r USING (rollout_id) "
+            "WHERE c.started_at < ?",
+            (t,),
+        ).fetchall()
+    out: dict[str, set[int]] = {}
+    for split, version in rows:
+        out.setdefault(split, set()).add(int(version))
+    return out
 
 
 PARITY_AGENT = """
