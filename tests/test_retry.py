@@ -3,6 +3,10 @@ budget under it (a reply cut off mid-body counts against the same ``max_retries 
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
+
 import pytest
 
 from lightning_sdk._retry import RetryPolicy, retry
@@ -61,6 +65,32 @@ async def test_one_level_a_nested_retry_makes_one_try_per_outer_try() -> None:
     # and once the outer retry is over, a retry is a full retry again
     again = Flaky(2, ConnectionError("refused"))
     assert await retry(again, policy=FAST, retry_if=lambda e: isinstance(e, ConnectionError), what="t") == 3
+
+
+async def test_the_waits_between_tries_follow_the_backoff_from_the_first_retry_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first try runs outside tenacity (no loop built for the common case); the waits after it are still the
+    policy's delays for retries 1, 2, 3 in turn (not 1 again after the first), each logged with its number."""
+    policy = RetryPolicy(retries=3, backoff_s=0.02, backoff_max_s=1.0)
+    times: list[float] = []
+
+    async def fails() -> int:
+        times.append(time.monotonic())
+        raise ConnectionError("refused")
+
+    with caplog.at_level(logging.INFO, logger="lightning_sdk._retry"), pytest.raises(ConnectionError):
+        await retry(fails, policy=policy, retry_if=lambda e: isinstance(e, ConnectionError), what="t")
+    waits = [b - a for a, b in itertools.pairwise(times)]
+    assert len(waits) == 3
+    for n, wait in enumerate(waits, start=1):  # delay(n) lies in [0.5, 1.5) x 0.02 x 2**(n-1)
+        assert 0.5 * 0.02 * 2 ** (n - 1) - 0.002 <= wait, (n, waits)
+    assert waits[2] > waits[0]
+    assert [m.split(";")[1].split(" in ")[0] for m in caplog.messages] == [" retry 1/3", " retry 2/3", " retry 3/3"]
+    no_retries = Flaky(5, ConnectionError("refused"))
+    with pytest.raises(ConnectionError):
+        await retry(no_retries, policy=RetryPolicy(retries=0), retry_if=lambda e: True, what="t")
+    assert no_retries.tries == 1
 
 
 def test_backoff_is_exponential_capped_and_jittered() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -288,15 +287,7 @@ class PassthroughBackend:
         """``once`` under the project's retry policy; when the tries are spent, an ``UpstreamError`` (502)."""
         url = self.base + path
         try:
-            try:  # the first try outside the retry loop: the common case costs no retry machinery (hot path)
-                return await once()
-            except Exception as exc:
-                if self._retry.retries == 0 or not _retryable(exc):
-                    raise
-                logger.info("upstream POST %s: %r; retrying", url, exc)
-            await asyncio.sleep(self._retry.delay(1))
-            rest = dataclasses.replace(self._retry, retries=self._retry.retries - 1)
-            return await retry(once, policy=rest, retry_if=_retryable, what=f"upstream POST {url}")
+            return await retry(once, policy=self._retry, retry_if=_retryable, what=f"upstream POST {url}")
         except (Http1Error, TransientAnswer) as exc:
             raise UpstreamError(
                 f"upstream {url} failed after {self._retry.retries + 1} attempts; "

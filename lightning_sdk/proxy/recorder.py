@@ -1,12 +1,13 @@
 """Write calls and rewards to the store off the request path, in batches, with back-pressure.
 
-Request handlers ``await recorder.add_call(call)``: that only puts the call on a bounded queue (it waits when
-``max_pending`` items are already waiting — back-pressure instead of unbounded memory when the store is slow). One
-background task takes what is queued (lingering ``linger_s``, 50 ms by default, for more to arrive, up to
-``max_batch``: a transaction costs far more than a row, so fewer, larger batches cut the proxy's CPU), commits it
-with one ``record_calls`` and one ``record_rewards``, and counts it done per attempt. ``flush(attempt_id)`` is the
-durability barrier of ``finish``: it skips the linger, returns once every call and reward queued for that attempt
-before it was called is committed, and raises ``StoreError`` if one of them could not be written. ``drain()``
+Request handlers ``await recorder.add_call(call)``: that only appends the call to a list (it waits when
+``max_pending`` items are already waiting — back-pressure instead of unbounded memory when the store is slow; a
+plain list and a future that wakes the writer: 0.75 vs 1.1 us a call with an ``asyncio.Queue``). One background
+task takes what is queued (lingering ``linger_s``, 50 ms by default, for more to arrive, up to ``max_batch``: a
+transaction costs far more than a row, so fewer, larger batches cut the proxy's CPU), commits it with one
+``record_calls`` and one ``record_rewards``, and counts it done per attempt. ``flush(attempt_id)`` is the durability
+barrier of ``finish``: it skips the linger, returns once every call and reward queued for that attempt before it was
+called is committed, and raises ``StoreError`` if one of them could not be written. ``drain()``
 does the same for everything queued.
 
 A failing batch is retried (``lightning_sdk._retry``) while the store says it is unavailable; otherwise its items are
@@ -48,14 +49,17 @@ class Recorder:
         self._urgent = asyncio.Event()  # set by flush/stop: write now, do not linger
         self.max_batch = max_batch
         self.retry_policy = RetryPolicy(retries=retries, backoff_s=retry_s)
-        self._queue: asyncio.Queue[Call | Reward] = asyncio.Queue(max_pending)
+        self.max_pending = max_pending
+        self._buf: list[Call | Reward] = []  # queued, not yet taken by the writer (in order)
+        self._has_items: asyncio.Future[None] | None = None  # the writer waits on it while nothing is queued
+        self._space = asyncio.Event()  # set while fewer than max_pending items are queued
+        self._space.set()
         self._queued: dict[str, int] = defaultdict(int)  # attempt id -> items queued so far
         self._done: dict[str, int] = defaultdict(int)  # attempt id -> items written (or given up on) so far
         self._n_queued = 0
         self._n_done = 0
         self._failed: dict[str, list[str]] = defaultdict(list)
         self._waiters: list[tuple[str | None, int, asyncio.Future[None]]] = []
-        self._overflow: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self.written_calls = 0
         self.written_rewards = 0
@@ -101,20 +105,15 @@ class Recorder:
         await self._put(reward)
 
     async def _put(self, item: Call | Reward) -> None:
-        try:  # the common case, without the coroutine of Queue.put
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
-            await self._queue.put(item)
-
-    def add_call_nowait(self, call: Call) -> None:
-        """Queue a call without waiting (from a ``finally`` that must not block); overflows into a task."""
-        self._count(call.attempt_id)
-        try:
-            self._queue.put_nowait(call)
-        except asyncio.QueueFull:
-            task = asyncio.get_running_loop().create_task(self._queue.put(call))
-            self._overflow.add(task)
-            task.add_done_callback(self._overflow.discard)
+        while len(self._buf) >= self.max_pending:  # back-pressure (rare: the store is behind)
+            self._space.clear()
+            await self._space.wait()
+        self._buf.append(item)
+        fut = self._has_items
+        if fut is not None:
+            self._has_items = None
+            if not fut.done():
+                fut.set_result(None)
 
     def _count(self, attempt_id: str) -> None:
         if self._task is None:
@@ -166,16 +165,27 @@ class Recorder:
 
     # -- the writer ------------------------------------------------------------------------------------------------
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._queue.get()]
-            if self.linger_s > 0 and self._queue.qsize() < self.max_batch and not self._urgent.is_set():
+            if not self._buf:
+                fut = self._has_items = loop.create_future()
+                try:
+                    await fut
+                finally:
+                    self._has_items = None
+            if self.linger_s > 0 and len(self._buf) < self.max_batch and not self._urgent.is_set():
                 # let a few more calls arrive: one transaction for many calls costs far less CPU than many
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._urgent.wait(), self.linger_s)
             if not self._waiters:
                 self._urgent.clear()
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            buf = self._buf
+            if len(buf) <= self.max_batch:
+                batch, self._buf = buf, []
+            else:
+                batch, self._buf = buf[: self.max_batch], buf[self.max_batch :]
+            if len(self._buf) < self.max_pending:
+                self._space.set()
             try:
                 await self._write(batch)
             except asyncio.CancelledError:
@@ -184,8 +194,9 @@ class Recorder:
                 logger.exception("recorder: unexpected failure writing %d items", len(batch))
                 for item in batch:
                     self._failed[item.attempt_id].append("unexpected recorder failure")
+            done = self._done
             for item in batch:
-                self._done[item.attempt_id] += 1
+                done[item.attempt_id] += 1
             self._n_done += len(batch)
             self._wake()
 

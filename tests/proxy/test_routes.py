@@ -7,6 +7,7 @@ Real proxy app under uvicorn on loopback, real SQLite store, httpx and raw socke
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -282,3 +283,60 @@ def test_serving_protocol_sends_each_response_in_one_write_and_never_holds_heade
             while not rest.endswith(b"late"):
                 rest += sock.recv(4096)
             assert time.monotonic() - t0 >= 0.4
+
+
+def _exchange(host: str, port: int, chunks: list[bytes]) -> tuple[bytes, bool]:
+    """Send ``chunks`` on a new connection (stopping if the server closes it) and read until the server closes:
+    (everything answered, whether every chunk went out)."""
+    with socket.create_connection((host, port)) as sock:
+        sent_all = True
+        try:
+            for chunk in chunks:
+                sock.sendall(chunk)
+        except OSError:  # the server answered and closed while the client was still sending
+            sent_all = False
+        sock.settimeout(5.0)
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+    return data, sent_all
+
+
+def test_request_heads_over_the_limit_get_431_and_the_connection_closed(px: ProxyHandle) -> None:
+    """uvicorn with httptools takes request headers without limit (20 MB were accepted); the proxy's protocol
+    answers 431 (OpenAI error shape) once a request's line and headers pass ``MAX_HEAD_BYTES`` and closes, whether
+    the head comes in one piece or dribbles in; a large head under the limit is served."""
+    from lightning_sdk.proxy.serve import MAX_HEAD_BYTES
+
+    line = b"X-Filler: " + b"a" * 4000 + b"\r\n"
+    start = b"GET /lightning/v1/health HTTP/1.1\r\nHost: x\r\n"
+    n_over = MAX_HEAD_BYTES // len(line) + 2
+    for chunks in ([start + line * n_over], [start, *[line] * 200]):  # one piece; a dribble far past the limit
+        data, _ = _exchange("127.0.0.1", px.server.port, chunks)
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 431 "), data[:80]
+        assert b"connection: close" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and str(MAX_HEAD_BYTES) in error["message"]
+    under = MAX_HEAD_BYTES // len(line) - 2
+    data, sent_all = _exchange("127.0.0.1", px.server.port, [start + line * under + b"Connection: close\r\n\r\n"])
+    assert sent_all and data.startswith(b"HTTP/1.1 200 "), data[:80]
+
+
+def test_unparsable_requests_get_400_in_the_openai_error_shape(px: ProxyHandle) -> None:
+    """A request the HTTP parser refuses (a bad request line, a bad header) is answered 400 with the proxy's JSON
+    error body (uvicorn's own is plain text) and the connection is closed."""
+    for raw in (b"GARBAGE\x01 / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"):
+        data, _ = _exchange("127.0.0.1", px.server.port, [raw])
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), data[:80]
+        assert b"application/json" in head and b"connection: close" in head.lower()
+        assert json.loads(body)["error"] == {
+            "message": "invalid HTTP request",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }

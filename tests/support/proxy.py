@@ -137,6 +137,14 @@ class ProxyHandle:
         return [c for a in self.rollout(rollout_id)["attempts"] for c in a["calls"]]
 
 
+def _serving_protocol(app: Any) -> type[Any]:
+    """The HTTP protocol ``lightning-sdk proxy`` and the trainer serve the proxy with (``serve.uvicorn_config``): the
+    tests run on what users run, not on uvicorn's default protocol."""
+    from lightning_sdk.proxy.serve import header_timeout_protocol
+
+    return header_timeout_protocol(app.proxy.config.read_timeout_s)
+
+
 @contextlib.contextmanager
 def run_proxy(
     upstream: str | None = None,
@@ -153,7 +161,7 @@ def run_proxy(
     options = {**FAST_RETRIES, **backend_options}
     app = proxy_app(the_store, upstream, policy_backend=policy_backend, external=external, config=config, **options)
     try:
-        with run_server(app) as server:
+        with run_server(app, http=_serving_protocol(app)) as server:
             handle = ProxyHandle(server, the_store, app)
             try:
                 yield handle
@@ -196,7 +204,7 @@ async def serve_proxy(
         the_store, upstream, policy_backend=policy_backend, external=external, config=config, **backend_options
     )
     try:
-        async with serve_async(app) as server:
+        async with serve_async(app, http=_serving_protocol(app)) as server:
             yield AsyncProxy(server.url, the_store, app, server)
     finally:
         if owned:
