@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
+from lightning_sdk.agent._transport import Http1Transport
 from lightning_sdk.errors import AttemptNotRunningError, AuthError, LightningSDKError, StoreUnavailableError
 from lightning_sdk.types import Call
 
@@ -31,7 +32,7 @@ class ServerClient:
 
     def __init__(self, server_url: str, *, http: httpx.AsyncClient | None = None, retries: int = 5) -> None:
         self.server_url = server_url.rstrip("/")
-        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0), transport=Http1Transport())
         self._owns_http = http is None
         self._retry = RetryPolicy(retries=retries, backoff_s=0.2)
 
