@@ -45,9 +45,10 @@ so a grown group's first rollouts may be one version older than ``max_staleness`
 
 ``run_rl`` runs the in-process agent workers (``RLWorkers``) around ``train_steps`` and, with a target gain
 (``[rl] target_gain``, ``trainer/stopping.py``), pauses for held-out checks (``evaluate``); ``lightning-sdk train``
-starts the workers of its first stretch with the held-out evaluation before RL (``[rl] generate_during_eval``), so
-the learner's first step does not wait for its whole batch; evaluations sample by their split's rule
-(the proxy's per-split sampling, ``app.job.split_sampling``), never by a setting on the engine.
+starts the workers with the held-out evaluation before RL and keeps them generating through the target checks
+(``[rl] generate_during_eval``), so the steps after those evaluations do not wait for their whole batch.
+Evaluations sample by their split's rule (the proxy's per-split sampling, ``app.job.split_sampling``), never by a
+setting on the engine.
 
 The engine and learner are whatever ``app/parts.py`` made of the config (the embedded ones, or verl's FSDP ranks
 behind ``VerlLearner`` and SGLang/vLLM servers); ``weights()`` is what the engine gets after a step (a state dict,
@@ -678,11 +679,15 @@ async def run_rl(
     on_rl: Callable[[], None] = lambda: None,
     stop: Callable[[], bool] = never,
     running: RLWorkers | None = None,
+    generate_during_checks: bool = False,
 ) -> RLResult:
     """RL with in-process workers until ``steps``, ``deadline`` or ``stop()`` (``RunStopped``). With a ``target``,
     RL pauses whenever the target is due: the workers release their attempts, ``held_out(split, label)`` evaluates
     the newest weights, and RL ends when the gain is confirmed, else goes on (``on_rl`` is told). ``running``:
-    workers already started (``RLWorkers.start``) that serve the first stretch of RL; run_rl closes them."""
+    workers already started (``RLWorkers.start``) that serve the first stretch of RL; run_rl closes them. With
+    ``generate_during_checks`` the workers go on generating train groups during the checks (on the weights being
+    checked; the learner is paused, so nothing is published meanwhile): the steps after a check find their groups
+    ready instead of waiting for what the pause did not generate and for the attempts it released."""
     t_rl = time.perf_counter()
     t_start = t_rl if t_start is None else t_start
     checks: list[dict[str, Any]] = []
@@ -691,47 +696,55 @@ async def run_rl(
     def stop_or_pause() -> bool:
         return stop() or pause()
 
-    while True:
-        training = loop.train_steps(steps, deadline=deadline, on_step=on_step, stop=stop_or_pause)
-        await _with_workers(loop, agent, workers, training, running)
-        running = None
-        if stop():
-            raise RunStopped(loop.step)
-        if target is None or not target.due():
-            break
-        await loop.flush_weights()  # the check evaluates the newest weights
-        t_check = time.perf_counter()
-        result = await held_out(f"eval-check-{target.checks + 1}", f"target check at step {loop.step}")
-        reached = target.reached(result["success_rate"])
-        checks.append(
-            {
-                "step": loop.step,
-                "success_rate": result["success_rate"],
-                "reached": reached,
-                "elapsed_s": round(time.perf_counter() - t_start, 2),
-                "wall_s": round(time.perf_counter() - t_check, 2),
-            }
-        )
-        note(
-            f"held-out check at step {loop.step}: {100 * result['success_rate']:.1f}%"
-            f" ({'target reached' if reached else 'going on'})"
-        )
-        if reached:
-            await loop.flush_weights()
-            return RLResult(checks, result, time.perf_counter() - t_rl)
-        if loop.step >= steps or (deadline is not None and time.perf_counter() >= deadline):
-            break
-        on_rl()
+    try:
+        while True:
+            if running is None:
+                running = await RLWorkers.start(loop, agent, workers)
+            await loop.train_steps(steps, deadline=deadline, on_step=on_step, stop=stop_or_pause)
+            if stop():
+                raise RunStopped(loop.step)
+            if target is None or not target.due():
+                break
+            if not generate_during_checks:  # the check runs alone; the next stretch starts new workers
+                await running.close()
+                running = None
+            await loop.flush_weights()  # the check evaluates the newest weights
+            t_check = time.perf_counter()
+            result = await held_out(f"eval-check-{target.checks + 1}", f"target check at step {loop.step}")
+            reached = target.reached(result["success_rate"])
+            checks.append(
+                {
+                    "step": loop.step,
+                    "success_rate": result["success_rate"],
+                    "reached": reached,
+                    "elapsed_s": round(time.perf_counter() - t_start, 2),
+                    "wall_s": round(time.perf_counter() - t_check, 2),
+                }
+            )
+            note(
+                f"held-out check at step {loop.step}: {100 * result['success_rate']:.1f}%"
+                f" ({'target reached' if reached else 'going on'})"
+            )
+            if reached:
+                await loop.flush_weights()
+                return RLResult(checks, result, time.perf_counter() - t_rl)
+            if loop.step >= steps or (deadline is not None and time.perf_counter() >= deadline):
+                break
+            on_rl()
+    finally:
+        if running is not None:  # they release their in-flight attempts
+            await running.close()
     await loop.flush_weights()
     return RLResult(checks, None, time.perf_counter() - t_rl)
 
 
 class RLWorkers:
     """The in-process agent workers of RL (train split), running from ``start`` until ``close``, which releases
-    their in-flight attempts (handed back to the queue). ``run_rl`` starts them for each stretch of RL between
-    held-out checks, or takes ones already running for its first stretch: ``lightning-sdk train`` starts them with
-    the held-out evaluation before RL, so the first groups are generated while the baseline is measured (on the
-    same weights: nothing is trained before that evaluation ends) and the learner's first steps find them ready."""
+    their in-flight attempts (handed back to the queue). ``run_rl`` starts them (for each stretch of RL between
+    held-out checks, or once with ``generate_during_checks``), or takes ones already running: ``lightning-sdk
+    train`` starts them with the held-out evaluation before RL, so the first groups are generated while the baseline
+    is measured (on the same weights: nothing is trained before that evaluation ends) and the learner's first steps
+    find them ready."""
 
     def __init__(self, loop: TrainingLoop, agent: Agent, workers: int) -> None:
         self.pool = WorkerPool(agent, loop.store, loop.url, n_workers=workers, split="train", poll_s=0.05)
@@ -757,22 +770,3 @@ class RLWorkers:
             await task
         finally:
             await self.pool.close()
-
-
-async def _with_workers(
-    loop: TrainingLoop, agent: Agent, workers: int, training: Awaitable[Any], running: RLWorkers | None = None
-) -> None:
-    """Run the in-process agent workers (``running`` if given, else new ones) while ``training`` runs; they release
-    their in-flight attempts after."""
-    pool = running
-    if pool is None:
-        try:
-            pool = await RLWorkers.start(loop, agent, workers)
-        except BaseException:
-            if asyncio.iscoroutine(training):
-                training.close()  # never started: no "never awaited" warning
-            raise
-    try:
-        await training
-    finally:
-        await pool.close()

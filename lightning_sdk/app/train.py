@@ -65,7 +65,8 @@ async def run_training(
 
         # The RL workers start with the evaluation before RL when it runs: the first groups are generated on the
         # weights being evaluated (nothing is trained before it ends), so the learner's first steps find them ready
-        # instead of waiting for the whole first batch (loop.RLWorkers; run_rl takes them over).
+        # instead of waiting for the whole first batch (loop.RLWorkers; run_rl takes them over and, with the same
+        # setting, keeps them generating during the target checks).
         early: RLWorkers | None = None
         if heldout and "eval_before" not in state and config.rl.generate_during_eval and config.rl.steps > loop.step:
             early = await RLWorkers.start(loop, agent, config.rl.workers)
@@ -109,6 +110,7 @@ async def run_training(
                 on_rl=lambda: view.set_phase("RL"),
                 stop=stop,
                 running=early,
+                generate_during_checks=config.rl.generate_during_eval,
             )
         finally:
             if early is not None:  # run_rl closed them, unless something failed before it could

@@ -119,9 +119,10 @@ class RLConfig(_Section):
     )
     generate_during_eval: bool = Field(
         True,
-        description="lightning-sdk train: start the RL workers with the held-out evaluation before RL, so the first "
-        "groups are generated on the same weights while the baseline is measured and the learner's first steps "
-        "find them ready (false: only once RL starts; app/train.py)",
+        description="lightning-sdk train: the RL workers generate train groups while held-out evaluations run "
+        "(on the weights being evaluated; the learner is paused): they start with the evaluation before RL and go on "
+        "through the target checks, so the steps after them find their groups ready (false: they start once RL "
+        "starts and stop for each check; app/train.py, app/loop.py run_rl)",
     )
 
     @model_validator(mode="after")

@@ -87,6 +87,46 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert versions["eval-before"] == {0} and versions["train"] == {0}
 
 
+def test_the_rl_workers_go_on_generating_during_a_target_check(tmp_path: Path, small_policy: Path) -> None:
+    """``[rl] generate_during_eval`` (on by default) also keeps the RL workers generating through the target checks:
+    train rollouts succeed while the check's held-out attempts run (the learner is paused meanwhile), and RL ends
+    at the check that reached the target (a gain of -1: the first one)."""
+    config = _write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={"enabled": False},
+        rl={
+            "steps": 40,
+            "tasks_per_step": 4,
+            "samples_per_task": 4,
+            "workers": 8,
+            "max_tokens": 16,
+            "target_gain": -1.0,  # any gain: the first check (after 5 steps, 64 fresh rollouts) reaches it
+            "max_wall_s": 1000,
+        },
+        eval={"n": 48, "max_tokens": 16, "workers": 2},
+    )
+    out = tmp_path / "run"
+    stdout, _ = _train(config, out).communicate(timeout=240)
+    summary = json.loads((out / "summary.json").read_text())
+    checks = summary["rl"]["checks"]
+    assert [c["reached"] for c in checks] == [True], stdout.decode()[-3000:]
+    db = out / "store.db"
+    with sqlite3.connect(db) as conn:
+        start, end = conn.execute(
+            "SELECT MIN(a.started_at), MAX(a.ended_at) FROM attempts a JOIN rollouts r USING (rollout_id) "
+            "WHERE r.split = 'eval-check-1'"
+        ).fetchone()
+        during = conn.execute(
+            "SELECT COUNT(*) FROM attempts a JOIN rollouts r USING (rollout_id) WHERE r.split = 'train' "
+            "AND a.status = 'succeeded' AND a.ended_at > ? AND a.ended_at < ?",
+            (start, end),
+        ).fetchone()[0]
+    # train rollouts went on succeeding while the check ran (stopped workers would have released them before it)
+    assert during >= 1
+    assert summary["eval_after"]["split"] == "eval-check-1"  # the checked weights are the run's result
+
+
 def _split_times(db: Path, split: str) -> tuple[float, float]:
     """When the last attempt of ``split`` ended, and when the first train attempt started (store clock)."""
     with sqlite3.connect(db) as conn:
