@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 MARKER = "LIGHTNING_SANDBOX_ID"
 _META = "sandbox.json"
+_DOOMED = ".dead-"  # a sandbox directory being removed is first renamed to this prefix + its id
 _PGIDS = "pgids"
 _REPO = "repo"
 _CGROUP_V1 = Path("/sys/fs/cgroup")
@@ -53,6 +54,30 @@ def _start_time(pid: int) -> str | None:
 def _owner_alive(pid: int, start: str | None) -> bool:
     now = _start_time(pid)
     return now is not None and (start is None or now == start)
+
+
+def _write_meta(directory: Path, meta: dict[str, Any]) -> None:
+    """Write a sandbox's metadata atomically (a kill mid-write never leaves a truncated file behind)."""
+    tmp = directory / (_META + ".tmp")
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, directory / _META)
+
+
+def _discard(directory: Path) -> None:
+    """Remove a sandbox directory, renamed out of the way first (atomic): a kill in the middle of the removal leaves
+    a ``.dead-`` directory, which the next start removes whatever its age, never a half-removed sandbox whose
+    metadata went first (that one would wait ``min_age_s`` to be reaped, and only at a later start)."""
+    target = directory
+    if not directory.name.startswith(_DOOMED):
+        doomed = directory.with_name(_DOOMED + directory.name)
+        try:
+            os.rename(directory, doomed)
+            target = doomed
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass  # removed in place
+    shutil.rmtree(target, ignore_errors=True)
 
 
 def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
@@ -207,9 +232,20 @@ def reap_leftovers(root: str | os.PathLike[str] | None = None, *, min_age_s: flo
     for directory in base.iterdir():
         if not directory.is_dir():
             continue
+        if directory.name.startswith(_DOOMED):  # a removal cut short (its processes were killed before it began)
+            shutil.rmtree(directory, ignore_errors=True)
+            reaped += 1
+            continue
         try:
             meta = json.loads((directory / _META).read_text())
         except (OSError, ValueError):
+            try:  # nothing in it: a creation that had not begun; rmdir fails if a live creator has filled it since
+                if not any(directory.iterdir()):
+                    directory.rmdir()
+                    reaped += 1
+                    continue
+            except OSError:
+                continue
             try:  # half-created (no metadata yet): only reap when old enough that its creator gave up or died
                 if time.time() - directory.stat().st_mtime < min_age_s:
                     continue
@@ -221,7 +257,7 @@ def reap_leftovers(root: str | os.PathLike[str] | None = None, *, min_age_s: flo
         cgroups = list(meta.get("cgroups", []))
         _kill_everything(directory, directory.name, cgroups)
         _remove_cgroups(cgroups)
-        shutil.rmtree(directory, ignore_errors=True)
+        _discard(directory)
         reaped += 1
         logger.info("reaped the leftover sandbox %s (owner pid %s is gone)", directory.name, meta.get("owner_pid"))
     return reaped
@@ -457,12 +493,12 @@ class LocalSandbox(Sandbox):
         try:
             await self.kill_processes()
             await asyncio.to_thread(_remove_cgroups, cgroups)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+            await asyncio.to_thread(_discard, directory)
         finally:
             if directory.exists():  # cancelled (or failed) half-way: finish here, or nothing would remove it
                 _kill_everything(directory, self.id, cgroups)
                 _remove_cgroups(cgroups)
-                shutil.rmtree(directory, ignore_errors=True)
+                _discard(directory)
             self.backend._release(self)
 
 
@@ -520,7 +556,7 @@ class LocalBackend:
             box._closed = True
             _kill_everything(box.directory, box.id, box.cgroups)
             _remove_cgroups(box.cgroups)
-            shutil.rmtree(box.directory, ignore_errors=True)
+            _discard(box.directory)
 
     def active(self) -> int:
         """Sandboxes that exist now (verifier copies made with ``fresh`` included)."""
@@ -564,7 +600,7 @@ class LocalBackend:
             with self._lock:
                 self._reserved -= counted
             _remove_cgroups(box.cgroups)
-            shutil.rmtree(directory, ignore_errors=True)
+            _discard(directory)
             raise
         with self._lock:
             self._reserved -= counted
@@ -582,7 +618,7 @@ class LocalBackend:
                 "created": time.time(),
                 "cgroups": [],
             }
-            (directory / _META).write_text(json.dumps(meta))
+            _write_meta(directory, meta)
             for controller, parent in _CGROUPS.items():
                 if parent is None:
                     continue
@@ -594,7 +630,7 @@ class LocalBackend:
                 else:
                     (cg / "memory.limit_in_bytes").write_text(str(box.limits.memory_mb * 1024 * 1024))
             meta["cgroups"] = box.cgroups
-            (directory / _META).write_text(json.dumps(meta))
+            _write_meta(directory, meta)
             repo = directory / _REPO
             repo.mkdir()
             for rel, text in files.items():

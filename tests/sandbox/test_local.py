@@ -235,6 +235,29 @@ def test_sigkilled_owner_leftovers_are_reaped_at_the_next_start(tmp_path: Path) 
     assert reap_leftovers(root) == 0
 
 
+def test_removals_and_creations_cut_short_are_reaped_at_the_next_start_whatever_their_age(tmp_path: Path) -> None:
+    """A run killed while removing a sandbox leaves a ``.dead-`` directory (removal renames first), and one killed
+    between making a sandbox's directory and its first file leaves an empty one: the next start reaps both at once
+    (a restart right after a kill must not leave them for ever). A young directory with content but no metadata
+    (a creator that may still be writing it) waits for ``min_age_s`` as before."""
+    root = tmp_path / "boxes"
+    (root / ".dead-0123456789abcdef" / "repo").mkdir(parents=True)
+    (root / ".dead-0123456789abcdef" / "repo" / "x.py").write_text("x = 1\n")
+    (root / "fedcba9876543210").mkdir()
+    (root / "aaaabbbbccccdddd" / "tmp").mkdir(parents=True)
+    backend = LocalBackend(root=root)
+    assert backend.reaped == 2
+    assert sorted(p.name for p in root.iterdir()) == ["aaaabbbbccccdddd"]
+
+
+async def test_closing_leaves_no_directory_and_no_metadata_is_ever_partial(backend: LocalBackend) -> None:
+    box = await backend.create(FILES)
+    meta = json.loads((box.directory / "sandbox.json").read_text())
+    assert meta["owner_pid"] == os.getpid() and not (box.directory / "sandbox.json.tmp").exists()
+    await box.close()
+    assert list(backend.root.iterdir()) == []
+
+
 async def test_live_owners_sandboxes_are_not_reaped(backend: LocalBackend) -> None:
     async with await backend.create(FILES) as box:
         assert reap_leftovers(backend.root) == 0
