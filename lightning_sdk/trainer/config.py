@@ -30,6 +30,7 @@ __all__ = [
     "EvalConfig",
     "PolicyConfig",
     "RLConfig",
+    "StoreConfig",
     "TrainConfig",
     "VerlSettings",
     "WarmStartSettings",
@@ -228,6 +229,17 @@ class EngineConfig(_Section):
         return self
 
 
+class StoreConfig(_Section):
+    """Where the run's store lives: the run directory's SQLite file (the default), or a store that many proxies and
+    hosts share (``url = "postgresql://user@host:5432/db"``; docs/scale-out.md)."""
+
+    url: str | None = Field(
+        None,
+        description="a store spec (lightning_sdk.open_store): postgresql://USER@HOST:PORT/DB, or a SQLite file path "
+        "(relative to the config's directory); default: RUN_DIR/store.db",
+    )
+
+
 class TrainConfig(_Section):
     """The whole job: each section is its component's own config (``[learner]`` is ``LearnerConfig``,
     ``[warm_start]`` extends ``WarmStartConfig``, ``[verl]`` extends ``VerlConfig``), so every knob of every
@@ -245,6 +257,7 @@ class TrainConfig(_Section):
     backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
     verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
@@ -266,6 +279,16 @@ class TrainConfig(_Section):
     def learner_config(self) -> LearnerConfig:
         """``[learner]`` with the log-prob temperature of the sampling temperature."""
         return self.learner.model_copy(update={"temperature": self.rl.temperature})
+
+    def store_spec(self, run_dir: Path) -> str:
+        """What ``open_store`` opens for this run: ``[store] url`` (a relative SQLite path resolved against the
+        config's directory), else the run directory's ``store.db``."""
+        url = self.store.url
+        if not url:
+            return str(run_dir / "store.db")
+        if "://" in url or url == "memory":
+            return url
+        return self.resolve(url)
 
     def resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""
