@@ -98,7 +98,10 @@ class RLConfig(_Section):
     max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
     workers: int = Field(64, ge=1, description="in-process agent workers (train)")
     max_wall_s: float | None = Field(
-        420.0, description="stop RL once the whole run has taken this long (evaluations after it excluded)"
+        420.0,
+        description="the whole run's wall budget: RL stops early enough for one more step and the final evaluation "
+        "(its time: the slowest held-out evaluation so far), which, with target_gain, is a last target check "
+        "(trainer/stopping.py WallBudget)",
     )
     seed: int = Field(0, description="torch seed and task sampling seed")
     target_gain: float | None = Field(
