@@ -194,6 +194,7 @@ class Job:
     resumed: bool
     t_start: float
     timeline: dict[str, float] = field(default_factory=dict)  # seconds since the start when each phase ended
+    model_dir: Path | None = None  # the policy directory the parts were built from
 
     def mark(self, name: str) -> None:
         self.timeline[name] = round(time.perf_counter() - self.t_start, 2)
@@ -300,6 +301,7 @@ async def open_job(
                 on_ready(server.url, key)
             metrics = MetricsLog(out, backends=config.metrics, name=config.name)
             job = Job(config, out, loop, parts, server, key, view, metrics, train_tasks, demos, resumed, t_start)
+            job.model_dir = model_dir
             job.mark("startup_s")
             try:
                 yield job
