@@ -30,6 +30,7 @@ __all__ = [
     "EvalConfig",
     "PolicyConfig",
     "RLConfig",
+    "StoreConfig",
     "TrainConfig",
     "VerlSettings",
     "WarmStartSettings",
@@ -97,7 +98,10 @@ class RLConfig(_Section):
     max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
     workers: int = Field(64, ge=1, description="in-process agent workers (train)")
     max_wall_s: float | None = Field(
-        420.0, description="stop RL once the whole run has taken this long (evaluations after it excluded)"
+        420.0,
+        description="the whole run's wall budget: RL stops early enough for one more step and the final evaluation "
+        "(its time: the slowest held-out evaluation so far), which, with target_gain, is a last target check "
+        "(trainer/stopping.py WallBudget)",
     )
     seed: int = Field(0, description="torch seed and task sampling seed")
     target_gain: float | None = Field(
@@ -228,6 +232,17 @@ class EngineConfig(_Section):
         return self
 
 
+class StoreConfig(_Section):
+    """Where the run's store lives: the run directory's SQLite file (the default), or a store that many proxies and
+    hosts share (``url = "postgresql://user@host:5432/db"``; docs/scale-out.md)."""
+
+    url: str | None = Field(
+        None,
+        description="a store spec (lightning_sdk.open_store): postgresql://USER@HOST:PORT/DB, or a SQLite file path "
+        "(relative to the config's directory); default: RUN_DIR/store.db",
+    )
+
+
 class TrainConfig(_Section):
     """The whole job: each section is its component's own config (``[learner]`` is ``LearnerConfig``,
     ``[warm_start]`` extends ``WarmStartConfig``, ``[verl]`` extends ``VerlConfig``), so every knob of every
@@ -245,6 +260,7 @@ class TrainConfig(_Section):
     backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
     verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
@@ -266,6 +282,16 @@ class TrainConfig(_Section):
     def learner_config(self) -> LearnerConfig:
         """``[learner]`` with the log-prob temperature of the sampling temperature."""
         return self.learner.model_copy(update={"temperature": self.rl.temperature})
+
+    def store_spec(self, run_dir: Path) -> str:
+        """What ``open_store`` opens for this run: ``[store] url`` (a relative SQLite path resolved against the
+        config's directory), else the run directory's ``store.db``."""
+        url = self.store.url
+        if not url:
+            return str(run_dir / "store.db")
+        if "://" in url or url == "memory":
+            return url
+        return self.resolve(url)
 
     def resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""

@@ -53,7 +53,8 @@ async def test_each_sandbox_runs_as_a_uid_of_its_own_without_groups(backend: Loc
 
 async def test_it_sees_only_its_own_processes_and_cannot_signal_the_trainer(backend: LocalBackend) -> None:
     async with await backend.create(FILES) as box:
-        res = await box.exec(f"ls /proc | grep -c '^[0-9]'; kill -9 {os.getpid()}; echo kill=$?; kill -9 1; echo one=$?")
+        script = f"ls /proc | grep -c '^[0-9]'; kill -9 {os.getpid()}; echo kill=$?; kill -9 1; echo one=$?"
+        res = await box.exec(script)
         count, *rest = res.stdout.split()
         assert int(count) <= 6  # its init, bash, ls, grep (and a subshell): none of the machine's processes
         assert "kill=1" in rest and "one=1" in rest  # the trainer's pid is not in its namespace; its init is root's

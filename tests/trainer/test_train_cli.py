@@ -125,6 +125,7 @@ def test_the_rl_workers_go_on_generating_during_a_target_check(tmp_path: Path, s
     # train rollouts went on succeeding while the check ran (stopped workers would have released them before it)
     assert during >= 1
     assert summary["eval_after"]["split"] == "eval-check-1"  # the checked weights are the run's result
+    assert summary["rl"]["stop"]["reason"] == "target" and summary["stopped_short"] is None
 
 
 def _split_times(db: Path, split: str) -> tuple[float, float]:
