@@ -186,6 +186,7 @@ async def test_cap_waits_for_a_slot_then_times_out(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         await a.close()
 
+    backend.create_timeout_s = 60.0  # now it waits (a close under load takes longer than the refusal's 0.3 s)
     closer = asyncio.create_task(later())
     c = await backend.create(FILES)  # got a's slot
     await closer
