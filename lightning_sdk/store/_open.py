@@ -47,7 +47,8 @@ def open_store(spec: str | Path, *, admin_key: str | None = None, timeout: float
 
     - ``"memory"``: a new ``MemoryStore``;
     - ``"http://..."`` / ``"https://..."``: an ``HTTPStore`` for the store served at that URL (the daemon's is
-      ``http://HOST:PORT/lightning/v1/store``; its root URL ``http://HOST:PORT`` means the same), authorised by ``admin_key`` or ``$LIGHTNING_SDK_ADMIN_KEY``;
+      ``http://HOST:PORT/lightning/v1/store``; its root URL ``http://HOST:PORT`` means the same), authorised by
+      ``admin_key`` or ``$LIGHTNING_SDK_ADMIN_KEY``;
     - ``"postgresql://user[:password]@host[:port]/db"`` (or ``postgres://``; any libpq URL, e.g. ``?sslmode=require``):
       a ``PostgresStore`` on that database, which many processes share (the ``postgres`` extra: psycopg 3);
     - anything else: the path of a ``SQLiteStore`` file (created if missing).
