@@ -7,6 +7,7 @@ Routes (the HTTP contract in docs/concepts.md / ARCHITECTURE.md)::
     POST /lightning/v1/reward, POST /lightning/v1/finish                (attempt token)
     POST /lightning/v1/sessions, GET /lightning/v1/rollouts[/{id}]      (admin key)
     GET  /lightning/v1/health                                           (no key)
+    GET  /metrics                                                       (no key: Prometheus, lightning_sdk.monitoring)
     /lightning/v1/store/...                                             (the store over HTTP, admin key)
 
 This module is the routing and the lifespan. One routing table: the LLM routes (``llm_routes``: path -> the
@@ -43,6 +44,7 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import ConfigError, LightningSDKError
 from lightning_sdk.http_errors import error_headers
+from lightning_sdk.monitoring import OpsMetrics, metrics_route
 from lightning_sdk.proxy.admin import admin_routes
 from lightning_sdk.proxy.backend import PolicyBackend
 from lightning_sdk.proxy.call import (
@@ -205,13 +207,16 @@ def create_app(
     extra_routes: list[BaseRoute] | None = None,
     close_store: bool = False,
     observers: Sequence[CallObserver] = (),
+    metrics: OpsMetrics | None = None,
 ) -> ProxyApp:
     """The proxy as an ASGI app (``app.state.proxy`` is the ``Proxy``: its ``recorder``, ``attempts``, ...).
 
     ``external`` routes model names to providers through LiteLLM; ``mount_store`` serves the store's HTTP API at
     ``/lightning/v1/store`` (admin key); ``extra_routes`` are added to the app (e.g. the daemon's task queue);
     ``close_store`` closes the store when the app shuts down (after the last records are written);
-    ``observers`` watch every call, reward and finish (``proxy/observe.py``).
+    ``observers`` watch every call, reward and finish (``proxy/observe.py``); ``metrics`` is what ``GET /metrics``
+    serves (a new ``OpsMetrics`` on its own registry when not given; none when ``config.metrics`` is false and none
+    is given).
     """
     if not admin_key:
         raise ConfigError("create_app: an admin key is required")
@@ -225,6 +230,7 @@ def create_app(
         config=config,
         close_store=close_store,
         observers=observers,
+        metrics=metrics,
     )
     llm: list[BaseRoute] = [  # the POST routes are ProxyApp's (llm_routes)
         Route("/v1/models", proxy.list_models, methods=["GET"]),
@@ -234,6 +240,7 @@ def create_app(
         *llm,
         Mount("/t/{token}", routes=[*llm, *admin_routes(proxy, token_routes_only=True)]),
         Route("/lightning/v1/health", proxy.health, methods=["GET"]),
+        *([metrics_route(proxy.metrics)] if proxy.metrics is not None else []),
         *admin_routes(proxy),
         *(extra_routes or ()),
     ]

@@ -21,6 +21,7 @@ from starlette.responses import Response
 
 from lightning_sdk.errors import AttemptNotRunningError, StoreUnavailableError
 from lightning_sdk.http_errors import bearer_token
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import PolicyBackend
 from lightning_sdk.proxy.errors import ProxyHTTPError
@@ -58,6 +59,7 @@ class ProxyConfig:
     )
     cancel_on_disconnect: bool = True  # watch requests for the agent hanging up (then the upstream call is closed)
     hang_up_watch_after_s: float = 0.05  # arm that watch this far into a call (cheaper for fast calls; 0 = at once)
+    metrics: bool = True  # serve GET /metrics (Prometheus; lightning_sdk.monitoring)
 
 
 class Proxy:
@@ -73,6 +75,7 @@ class Proxy:
         config: ProxyConfig | None = None,
         close_store: bool = False,
         observers: Sequence[CallObserver] = (),
+        metrics: OpsMetrics | None = None,
     ) -> None:
         self.store = store
         self.close_store = close_store
@@ -81,7 +84,14 @@ class Proxy:
         self.admin_key = admin_key
         self.config = config or ProxyConfig()
         self.observers: tuple[CallObserver, ...] = tuple(observers)  # see proxy/observe.py (empty: no cost)
-        self.recorder = Recorder(store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch)
+        if metrics is None and self.config.metrics:
+            metrics = OpsMetrics()
+        self.metrics = metrics
+        self.recorder = Recorder(
+            store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch, metrics=metrics
+        )
+        if metrics is not None:
+            metrics.refreshers.append(self._refresh_metrics)
         after_s = self.config.hang_up_watch_after_s
         self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(
@@ -105,6 +115,14 @@ class Proxy:
             version = pv.version if pv is not None else 0
             self._version = (t, version)
         return version
+
+    async def _refresh_metrics(self) -> None:
+        """At scrape: rollouts by status and ready groups from the store, and the policy version served."""
+        assert self.metrics is not None
+        self.metrics.set_counts(await self.store.counts())
+        version = None if self.metrics.version_is_read else await self.policy_version()
+        if version is not None:
+            self.metrics.policy_version.set(version)
 
     @staticmethod
     def token_of(request: Request) -> str | None:
@@ -179,6 +197,8 @@ class Proxy:
             state.closing = "ended"
             raise
         self.attempts.ended(state.attempt.token, attempt)
+        if self.metrics is not None:
+            self.metrics.attempt_ended(attempt.status.value)
         lost_calls = sum(1 for f in failures if f.startswith("call "))
         if self.observers:
             event = FinishEvent(
