@@ -1,4 +1,4 @@
-"""A small pooled HTTP/1.1 client (asyncio protocol + the httptools parser): the proxy's upstream and the agents' transport.
+"""A small pooled HTTP/1.1 client (asyncio protocol + httptools): the proxy's upstream and the agents' transport.
 
 A neutral module: both the agent side and the proxy import it, and it imports no server (no starlette, no uvicorn).
 

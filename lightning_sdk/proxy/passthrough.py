@@ -30,8 +30,8 @@ import orjson
 
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import UpstreamError
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
 from lightning_sdk.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
+from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.shapes import (
     ChatStreamAssembler,
     CompletionStreamAssembler,

@@ -31,6 +31,7 @@ def __getattr__(name: str) -> Any:
         return store_routes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
     "ADMIN_KEY_ENV",
     "Clock",
