@@ -22,6 +22,7 @@ from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store.base import Store
+from lightning_sdk.telemetry import Telemetry
 from lightning_sdk.types import Resource
 
 __all__ = ["UI_PATH", "ProxyServer", "bind_socket", "free_port"]
@@ -87,10 +88,11 @@ class ProxyServer:
         model_name: str = "policy",
         metrics: OpsMetrics | None = None,
         run_dir: Path | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """Serve the proxy (token mode over ``engine``, ``sampling`` per split; ``metrics`` at ``GET /metrics``)
         and publish it as a resource; with ``run_dir``, the run viewer at ``/lightning/v1/ui`` too (behind the
-        admin key)."""
+        admin key); ``telemetry``: the proxy's call and attempt spans."""
         from lightning_sdk.proxy import create_app
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
