@@ -106,7 +106,14 @@ class ProxyServer:
 
             viewer = create_viewer_app(RunData(run_dir, store, tokenizer=tokenizer), admin_key=admin_key)
             extra.append(Mount(UI_PATH, app=viewer))
-        app = create_app(store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra)
+        observers = []
+        if telemetry is not None:
+            from lightning_sdk.telemetry.observer import SpanObserver
+
+            observers.append(SpanObserver(telemetry))
+        app = create_app(
+            store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra, observers=observers
+        )
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
         server, task = self._server, self._task

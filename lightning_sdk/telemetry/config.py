@@ -25,9 +25,15 @@ class TelemetryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    otlp: str | None = Field(None, description="OTLP endpoint, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
-    protocol: Protocol | None = Field(None, description='"http/protobuf" or "grpc" (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)')
-    service_name: str | None = Field(None, description="the service.name resource attribute (default: $OTEL_SERVICE_NAME, else lightning-sdk)")
+    otlp: str | None = Field(
+        None, description="OTLP endpoint, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT)"
+    )
+    protocol: Protocol | None = Field(
+        None, description='"http/protobuf" or "grpc" (default: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf)'
+    )
+    service_name: str | None = Field(
+        None, description="the service.name resource attribute (default: $OTEL_SERVICE_NAME, else lightning-sdk)"
+    )
 
     def resolved(self, env: Mapping[str, str] | None = None) -> TelemetryConfig | None:
         """This config with the standard variables filled in where it leaves a field unset; None when off."""

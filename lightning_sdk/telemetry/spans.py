@@ -22,22 +22,43 @@ Off (no endpoint): ``open_telemetry`` returns None and callers skip on ``is None
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import secrets
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_sdk.telemetry.config import TelemetryConfig
 from lightning_sdk.telemetry.ids import attempt_span_id, attempt_trace_id, call_span_id, parse_traceparent
-from lightning_sdk.types import Attempt, Call, Reward
+from lightning_sdk.types import Call, Reward
 
-__all__ = ["StepSpan", "Telemetry", "open_telemetry"]
+__all__ = ["BoundedDict", "StepSpan", "Telemetry", "open_telemetry"]
 
 logger = logging.getLogger(__name__)
 
 _SCOPE = "lightning_sdk"
+_MAX_OPEN = 65536  # attempts whose rewards / first call time are kept until their finish
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedDict(OrderedDict[K, V]):
+    """A dict that forgets its oldest entry past ``cap`` entries (per-attempt state of attempts never finished)."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.cap:
+            self.popitem(last=False)
 
 
 def _ns(t: float | None) -> int:
@@ -73,10 +94,48 @@ class Telemetry:
         self.scope = InstrumentationScope(_SCOPE)
         self.exporter = exporter if exporter is not None else _exporter(config)
         self.processor = BatchSpanProcessor(self.exporter)
-        self._rewards: dict[str, list[Reward]] = {}  # running attempts' rewards, until their finish
+        # Spans are built off the caller's thread: the proxy's loop only appends a closure (see ``_submit``).
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Event()
+        self._busy = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._work, name="lightning-sdk-telemetry", daemon=True)
+        self._thread.start()
+        # running attempts' rewards, until their finish (bounded: an attempt never finished here is forgotten)
+        self._rewards: BoundedDict[str, list[Reward]] = BoundedDict(_MAX_OPEN)
 
     # -- building spans ----------------------------------------------------------------------------------------
-    def _emit(
+    def _emit(self, *args: Any, **kwargs: Any) -> None:
+        """Build the span on the telemetry thread (``_emit_now``)."""
+        self._submit(functools.partial(self._emit_now, *args, **kwargs))
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        self._jobs.append(job)  # deque.append is atomic; the thread drains it
+        if not self._busy:
+            self._wake.set()
+
+    def _work(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self._busy = True
+            self._drain()
+            self._busy = False
+            if self._jobs:  # appended after the drain while busy: the submitter did not wake us
+                self._wake.set()
+            if self._stopping:
+                self._drain()
+                return
+
+    def _drain(self) -> None:
+        while self._jobs:
+            job = self._jobs.popleft()
+            try:
+                job()
+            except Exception:  # a span that cannot be built is logged and dropped, never raised into a call
+                logger.exception("telemetry: a span could not be built")
+
+    def _emit_now(
         self,
         name: str,
         trace_id: int,
@@ -103,9 +162,7 @@ class Telemetry:
             parent=ctx(*parent, True) if parent is not None else None,
             resource=self.resource,
             attributes={k: v for k, v in attributes.items() if v is not None},
-            events=[
-                Event(n, {k: v for k, v in a.items() if v is not None}, timestamp=_ns(t)) for n, t, a in events
-            ],
+            events=[Event(n, {k: v for k, v in a.items() if v is not None}, timestamp=_ns(t)) for n, t, a in events],
             links=[Link(ctx(t, s, True), {k: v for k, v in a.items() if v is not None}) for t, s, a in links],
             kind=SpanKind.CLIENT if kind == "client" else SpanKind.INTERNAL,
             status=Status(StatusCode.ERROR, error) if error else Status(StatusCode.OK),
@@ -117,6 +174,20 @@ class Telemetry:
 
     # -- the proxy's spans -------------------------------------------------------------------------------------
     def call(
+        self,
+        call: Call,
+        *,
+        group_id: str | None = None,
+        split: str | None = None,
+        traceparent: str | None = None,
+    ) -> None:
+        """Queue the span of one recorded call (built on the telemetry thread; see ``_call_span``)."""
+        self._submit(functools.partial(self._call_span, call, group_id, split, traceparent))
+
+    def _call_span(self, call: Call, group_id: str | None, split: str | None, traceparent: str | None) -> None:
+        self._call_now(call, group_id=group_id, split=split, traceparent=traceparent)
+
+    def _call_now(
         self,
         call: Call,
         *,
@@ -143,7 +214,9 @@ class Telemetry:
             "gen_ai.usage.output_tokens": len(call.completion_ids),
             "gen_ai.response.finish_reasons": [call.finish_reason] if call.finish_reason else None,
             "gen_ai.request.temperature": _num(call.request.get("temperature")),
-            "gen_ai.request.max_tokens": _int(call.request.get("max_tokens") or call.request.get("max_completion_tokens")),
+            "gen_ai.request.max_tokens": _int(
+                call.request.get("max_tokens") or call.request.get("max_completion_tokens")
+            ),
             "rl.call_id": call.call_id,
             "rl.call_seq": call.seq,
             "rl.attempt_id": call.attempt_id,
@@ -156,7 +229,7 @@ class Telemetry:
             "rl.split_reason": str(reason) if reason else None,
             "rl.failure": call.error,
         }
-        self._emit(
+        self._emit_now(
             f"{operation} {call.model}",
             trace_id,
             call_span_id(call.call_id),
@@ -170,54 +243,92 @@ class Telemetry:
 
     def reward(self, reward: Reward) -> None:
         """Keep a reward for its attempt's span (an event on it at the finish)."""
-        self._rewards.setdefault(reward.attempt_id, []).append(reward)
+        kept = self._rewards.get(reward.attempt_id)
+        if kept is None:
+            self._rewards[reward.attempt_id] = kept = []
+        kept.append(reward)
 
     def attempt(
         self,
-        attempt: Attempt,
+        attempt_id: str,
+        rollout_id: str,
         *,
-        group_id: str | None = None,
-        split: str | None = None,
+        status: str,
+        error: str | None,
+        started_at: float | None,
+        ended_at: float | None,
         calls: int | None = None,
         rewards: Sequence[Reward] | None = None,
+        group_id: str | None = None,
+        split: str | None = None,
     ) -> None:
-        """The root span of a finished attempt: its rewards and its finish as events."""
-        kept = self._rewards.pop(attempt.attempt_id, [])
+        """The root span of a finished attempt, its rewards (given, or kept by ``reward``) and finish as events."""
+        kept = self._rewards.pop(attempt_id, [])
         given = list(rewards) if rewards is not None else kept
+        self._submit(
+            functools.partial(
+                self._attempt_span,
+                attempt_id,
+                rollout_id,
+                status,
+                error,
+                started_at,
+                ended_at,
+                calls,
+                given,
+                group_id,
+                split,
+            )
+        )
+
+    def _attempt_span(
+        self,
+        attempt_id: str,
+        rollout_id: str,
+        status: str,
+        error: str | None,
+        started_at: float | None,
+        ended_at: float | None,
+        calls: int | None,
+        given: list[Reward],
+        group_id: str | None,
+        split: str | None,
+    ) -> None:
         finals = [r.value for r in given if r.call_id is None]
         events: list[tuple[str, float | None, Mapping[str, Any]]] = [
             ("rl.reward", r.created_at, {"rl.reward.name": r.name, "rl.reward.value": r.value, "rl.call_id": r.call_id})
             for r in given
         ]
-        events.append(("rl.finish", attempt.ended_at, {"rl.status": attempt.status.value, "rl.failure": attempt.error}))
-        failed = attempt.status.value != "succeeded"
-        self._emit(
+        events.append(("rl.finish", ended_at, {"rl.status": status, "rl.failure": error}))
+        self._emit_now(
             "rl.attempt",
-            attempt_trace_id(attempt.attempt_id),
-            attempt_span_id(attempt.attempt_id),
+            attempt_trace_id(attempt_id),
+            attempt_span_id(attempt_id),
             parent=None,
-            start=attempt.started_at,
-            end=attempt.ended_at,
+            start=started_at if started_at is not None else ended_at,
+            end=ended_at,
             attributes={
-                "rl.attempt_id": attempt.attempt_id,
-                "rl.rollout_id": attempt.rollout_id,
-                "rl.attempt_index": attempt.index,
+                "rl.attempt_id": attempt_id,
+                "rl.rollout_id": rollout_id,
                 "rl.group_id": group_id,
                 "rl.split": split,
-                "rl.status": attempt.status.value,
+                "rl.status": status,
                 "rl.reward": sum(finals) if finals else None,
                 "rl.calls": calls,
-                "rl.failure": attempt.error,
+                "rl.failure": error,
             },
             events=events,
-            error=(attempt.error or attempt.status.value) if failed else None,
+            error=(error or status) if status != "succeeded" else None,
         )
 
     # -- the trainer's spans -----------------------------------------------------------------------------------
     def training_step(self, step: StepSpan) -> tuple[int, int]:
         """The step span, linked to the root span of every attempt it trained; returns its (trace id, span id)
         (the parent of the publication span)."""
-        trace_id, span_id = int.from_bytes(secrets.token_bytes(16), "big") | 1, int.from_bytes(secrets.token_bytes(8), "big") | 1
+        trace_id, span_id = (
+            int.from_bytes(secrets.token_bytes(16), "big") | 1,
+            int.from_bytes(secrets.token_bytes(8), "big") | 1,
+        )
         adv = list(step.advantages)
         self._emit(
             "rl.step",
@@ -245,7 +356,9 @@ class Telemetry:
         )
         return trace_id, span_id
 
-    def publication(self, parent: tuple[int, int], *, step: int, version: int, started_at: float, ended_at: float) -> None:
+    def publication(
+        self, parent: tuple[int, int], *, step: int, version: int, started_at: float, ended_at: float
+    ) -> None:
         """The weight publication after a step (a child of the step span)."""
         self._emit(
             "rl.publish",
@@ -258,9 +371,19 @@ class Telemetry:
         )
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        return bool(self.processor.force_flush(int(timeout_s * 1000)))
+        """Build what is queued and export everything; True when the exporter took it all in time."""
+        deadline = time.monotonic() + timeout_s
+        while (self._jobs or self._busy) and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.001)  # the telemetry thread is building spans: a bounded wait on its queue
+        left = max(0.0, deadline - time.monotonic())
+        return not self._jobs and bool(self.processor.force_flush(int(left * 1000)))
 
     def shutdown(self) -> None:
+        """Build and export what is queued, then stop the thread and the exporter."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(10)
         self.processor.shutdown()  # type: ignore[no-untyped-call]
 
 
