@@ -125,11 +125,11 @@ def build_loop(
     max_attempts: int = 1,
 ) -> tuple[TrainingLoop, Parts]:
     """The engine and learner of ``config.backend`` / ``config.engine`` (``app/parts.py``) for ``model_dir``, the
-    store (SQLite in the run dir) and the training loop over them, its agents calling the proxy at ``url``. Close
-    the parts, then the store, when done."""
+    store (``[store] url``, default SQLite in the run dir) and the training loop over them, its agents calling the
+    proxy at ``url``. Close the parts, then the store, when done."""
     rl = config.rl
     parts = build_parts(config, run_dir, model_dir)
-    store = open_store(run_dir / "store.db")
+    store = open_store(config.store_spec(run_dir))
     sampler = (
         TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
         if rl.replay_share > 0 and train_tasks
@@ -291,6 +291,7 @@ async def open_job(
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,
+                run_dir=out,
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
