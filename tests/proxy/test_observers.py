@@ -128,7 +128,8 @@ def test_a_failed_call_is_observed_with_its_error_and_recorded_call(tmp_path: Pa
 
 
 def test_no_observer_allocates_nothing(upstream: RunningServer, tmp_path: Path, monkeypatch: Any) -> None:
-    """Without observers (and the metrics off) the pipeline never builds an event: a ``CallStart`` that cannot be built does not matter."""
+    """Without observers (and the metrics off) the pipeline never builds an event: a ``CallStart`` that cannot be
+    built does not matter."""
 
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("an observer event was built with no observer")
