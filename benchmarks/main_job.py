@@ -56,6 +56,19 @@ def run(out: Path, overrides: list[str]) -> dict[str, Any]:
     return {"wall_s": wall, "peak_rss_mb": peak_kb / 1024, "load_start": load0, "load_end": os.getloadavg()[0]}
 
 
+def cpu_line() -> str:
+    """``lscpu``'s model name and the flags that decide the learner's kernels (the figures depend on the CPU)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "cpu: (lscpu unavailable)"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile"]
+    have = [f for f in wanted if f in flags]
+    return f"cpu: {fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none'}"
+
+
 def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = run_dir / "metrics.jsonl"  # absent when RL ran no step (the budget went on the warm start)
@@ -67,6 +80,12 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     wall = measured["wall_s"] if measured else summary["wall_s"]
     gain = after - before
     print(f"run: {run_dir}")
+    print(cpu_line())
+    if summary.get("stopped_short"):
+        print(f"stopped short: {summary['stopped_short']}")
+    if summary.get("balance"):
+        b = summary["balance"]
+        print(f"learner threads: {b['learner_threads']} (pipeline rates by threads, trained tokens/s: {b['rates']})")
     if measured:
         print(
             f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "
