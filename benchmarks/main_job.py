@@ -106,7 +106,9 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
 
     ws = (summary.get("warm_start") or {}).get("wall_s", 0.0)
     ev_before = summary["eval_before"].get("wall_s", 0.0)
-    ev_after = 0.0 if "target_reached_s" in tl else summary["eval_after"].get("wall_s", 0.0)
+    # the final evaluation is the last target check when a target is set (counted there), else eval-after
+    last_is_check = str(summary["eval_after"].get("split", "")).startswith("eval-check")
+    ev_after = 0.0 if "target_reached_s" in tl or last_is_check else summary["eval_after"].get("wall_s", 0.0)
     ev_checks = sum(c["wall_s"] for c in checks)
     rl_wall = rl.get("wall_s", 0.0) - ev_checks
     startup = tl.get("startup_s")
