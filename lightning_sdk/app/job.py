@@ -281,7 +281,11 @@ async def open_job(
             if loop.sampler is not None:  # resumed: new groups continue after the last enqueued one
                 loop.sampler.start_at(loop.next_task)
             await server.start(
-                loop.store, parts.engine, parts.engine.tokenizer, admin_key=key, sampling=split_sampling(config)
+                loop.store,
+                parts.engine,
+                parts.renderer or parts.engine.tokenizer,
+                admin_key=key,
+                sampling=split_sampling(config),
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))

@@ -86,7 +86,8 @@ class ProxyServer:
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
         from lightning_sdk.tokens import ChatRenderer
 
-        renderer = ChatRenderer(tokenizer)
+        # the policy's renderer (``app/parts.py``: its template probed and chosen), or one from a bare tokenizer
+        renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer.for_policy(tokenizer)
         backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
         app = create_app(store, policy_backend=backend, admin_key=admin_key)
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
