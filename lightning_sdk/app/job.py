@@ -35,6 +35,7 @@ from lightning_sdk.app.parts import Parts, build_parts, check_warm_start
 from lightning_sdk.app.server import ProxyServer, bind_socket
 from lightning_sdk.app.view import MetricsLog, ProgressView
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.smollm2 import SMOLLM2_NAMES, prepare_smollm2
 from lightning_sdk.policy.tokenizer import build_tokenizer
@@ -124,11 +125,11 @@ def build_loop(
     max_attempts: int = 1,
 ) -> tuple[TrainingLoop, Parts]:
     """The engine and learner of ``config.backend`` / ``config.engine`` (``app/parts.py``) for ``model_dir``, the
-    store (SQLite in the run dir) and the training loop over them, its agents calling the proxy at ``url``. Close
-    the parts, then the store, when done."""
+    store (``[store] url``, default SQLite in the run dir) and the training loop over them, its agents calling the
+    proxy at ``url``. Close the parts, then the store, when done."""
     rl = config.rl
     parts = build_parts(config, run_dir, model_dir)
-    store = open_store(run_dir / "store.db")
+    store = open_store(config.store_spec(run_dir))
     sampler = (
         TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
         if rl.replay_share > 0 and train_tasks
@@ -280,12 +281,17 @@ async def open_job(
             await loop.resume()
             if loop.sampler is not None:  # resumed: new groups continue after the last enqueued one
                 loop.sampler.start_at(loop.next_task)
+            ops = OpsMetrics()  # GET /metrics: the proxy's calls and recorder, the loop's steps, the engine's version
+            ops.served_version_from(lambda: parts.engine.policy_version)
+            loop.ops = ops
             await server.start(
                 loop.store,
                 parts.engine,
                 parts.renderer or parts.engine.tokenizer,
                 admin_key=key,
                 sampling=split_sampling(config),
+                metrics=ops,
+                run_dir=out,
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
