@@ -11,7 +11,7 @@ Every error the library raises on purpose derives from one root::
      ├── AuthError                missing or unknown attempt token or admin key (HTTP 401)
      ├── AttemptNotRunningError   the attempt is no longer running (HTTP 409)
      ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/503/504)
-     │    └── Http1Error          the proxy's upstream connection failed (proxy/http1.py: connect, read timeout,
+     │    └── Http1Error          the proxy's upstream connection failed (http1.py: connect, read timeout,
      │                            protocol); UpstreamHTTPError: the upstream answered an error (proxy/backend.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
      │    └── TemplateFeatureError  the policy's chat template cannot render a request feature (tools, ...)
