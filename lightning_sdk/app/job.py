@@ -290,7 +290,7 @@ async def open_job(
             await server.start(
                 loop.store,
                 parts.engine,
-                parts.engine.tokenizer,
+                parts.renderer or parts.engine.tokenizer,
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,

@@ -100,13 +100,14 @@ class ProxyServer:
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
         from lightning_sdk.tokens import ChatRenderer
 
-        renderer = ChatRenderer(tokenizer)
+        # the policy's renderer (``app/parts.py``: its template probed and chosen), or one from a bare tokenizer
+        renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer.for_policy(tokenizer)
         backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
         extra: list[BaseRoute] = []
         if run_dir is not None:
             from lightning_sdk.viewer import RunData, create_viewer_app
 
-            viewer = create_viewer_app(RunData(run_dir, store, tokenizer=tokenizer), admin_key=admin_key)
+            viewer = create_viewer_app(RunData(run_dir, store, tokenizer=renderer.tokenizer), admin_key=admin_key)
             extra.append(Mount(UI_PATH, app=viewer))
         observers = []
         if telemetry is not None:
