@@ -73,6 +73,9 @@ async def run_daemon(
             raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
         if placed is not None:
+            check = getattr(job.parts.engine, "check", None)
+            if check is not None:  # every engine back and serving the last version (a restart is in its events)
+                await check()
             summary = {
                 "steps": job.loop.step,
                 "wall_s": round(time.perf_counter() - t0, 2),

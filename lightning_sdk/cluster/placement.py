@@ -275,6 +275,13 @@ class RayEngine:
                 raise EngineError(f"engine-{i}: weight update to version {version} failed: {result}") from result
         self._version = version
 
+    async def check(self) -> None:
+        """Wait (up to ``retry_s``) until every engine answers, and give one Ray restarted the served weights (its
+        restart then is in ``events``): the daemon runs it before writing its summary."""
+        for i in range(len(self._handles)):
+            with contextlib.suppress(EngineError):
+                await self._recover(i, "restart seen at the end of the run", time.monotonic() + self.retry_s)
+
     async def where(self) -> list[dict[str, Any]]:
         """Where each engine runs now: ``{"part", "node_id", "pid"}``."""
         found = await asyncio.gather(*(h.where.remote() for h in self._handles))
