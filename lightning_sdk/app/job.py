@@ -195,6 +195,7 @@ class Job:
     resumed: bool
     t_start: float
     timeline: dict[str, float] = field(default_factory=dict)  # seconds since the start when each phase ended
+    model_dir: Path | None = None  # the policy directory the parts were built from
 
     def mark(self, name: str) -> None:
         self.timeline[name] = round(time.perf_counter() - self.t_start, 2)
@@ -291,7 +292,7 @@ async def open_job(
             await server.start(
                 loop.store,
                 parts.engine,
-                parts.engine.tokenizer,
+                parts.renderer or parts.engine.tokenizer,
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,
@@ -305,6 +306,7 @@ async def open_job(
                 on_ready(server.url, key)
             metrics = MetricsLog(out, backends=config.metrics, name=config.name)
             job = Job(config, out, loop, parts, server, key, view, metrics, train_tasks, demos, resumed, t_start)
+            job.model_dir = model_dir
             job.mark("startup_s")
             try:
                 yield job
