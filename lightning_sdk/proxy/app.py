@@ -63,6 +63,7 @@ from lightning_sdk.proxy.errors import (
 from lightning_sdk.proxy.external import ExternalBackend, ExternalRoute
 from lightning_sdk.proxy.recorder import Recorder
 from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
+from lightning_sdk.proxy.shared import CommitWriter, SharedStore, is_shared
 from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES, count_tokens, handle_surface
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Attempt, AttemptStatus, Call, now
@@ -126,6 +127,10 @@ class Proxy:
         self.recorder = Recorder(
             store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch, metrics=metrics
         )
+        # A store many proxies share (proxy/shared.py): calls are numbered by the store and committed, with the
+        # store-side finish barrier, before they are answered. None: the single-proxy path (barrier in memory).
+        self.shared: SharedStore | None = store if is_shared(store) else None  # type: ignore[assignment]
+        self.commits = CommitWriter(self.shared, max_batch=self.config.record_batch) if self.shared else None
         if metrics is not None:
             metrics.refreshers.append(self._refresh_metrics)
         after_s = self.config.hang_up_watch_after_s
@@ -230,6 +235,8 @@ class Proxy:
                     400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model"
                 )
             seq = await state.take_seq(self.store)
+            if self.shared is not None:  # unique across the proxies serving this attempt
+                seq = await self.shared.reserve_seq(state.attempt.attempt_id)
             ctx = CallContext(
                 attempt=state.attempt,
                 call_id=_call_id(),
@@ -237,7 +244,7 @@ class Proxy:
                 model=body["model"],
                 policy_version=await self.policy_version(),
                 split=state.split,
-                _earlier=_earlier(state, self.store, seq),
+                _earlier=_earlier(state, self.store, seq, fresh=self.shared is not None),
             )
             state.call_ids.add(ctx.call_id)
             if task is not None:
@@ -270,6 +277,18 @@ class Proxy:
             if task is not None:
                 state.tasks.discard(task)
         call_id = ctx.call_id if ctx is not None else None
+        shared_answer = self.commits is not None and ctx is not None and error is None and result is not None
+        if shared_answer and ctx is not None and result is not None and not body.get("stream"):
+            # a shared store: the call is committed, then answered (proxy/shared.py)
+            try:
+                await self._record(state, ctx, body, result, None, chat, started)
+            except LightningSDKError as exc:  # its attempt ended on another proxy, or the store failed
+                await _send_error(send, from_sdk_error(exc), None, call_id)
+                return
+            payload = orjson.dumps(result.response)
+            await out({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload), call_id)})
+            await out({"type": "http.response.body", "body": payload})
+            return
         if error is None and result is not None and not body.get("stream"):
             payload = orjson.dumps(result.response)
             await out({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload), call_id)})
@@ -279,7 +298,10 @@ class Proxy:
         elif error is not None and out.started and not out.ended and error.status != 499:
             await send({"type": "http.response.body", "body": error_event(error) + _SSE_DONE})
         if ctx is not None:
-            await self._record(state, ctx, body, result if error is None else None, error, chat, started)
+            try:
+                await self._record(state, ctx, body, result if error is None else None, error, chat, started)
+            except LightningSDKError as exc:  # a shared store refused it after the answer (a stream, an error)
+                logger.warning("call %s: not recorded: %s", ctx.call_id, exc)
 
     async def _record(
         self,
@@ -307,7 +329,10 @@ class Proxy:
         else:
             state.add_call(call)
         state.n_calls += 1
-        await self.recorder.add_call(call)
+        if self.commits is not None:
+            await self.commits.commit(call)  # raises when the store refused it (its attempt ended elsewhere)
+        else:
+            await self.recorder.add_call(call)
 
     async def _read_json(self, scope: Scope, receive: Receive) -> Any:
         limit = self.config.max_body_bytes
@@ -416,8 +441,12 @@ class Proxy:
             final = AttemptStatus.FAILED
             why = f"{len(failures)} calls/rewards of this attempt could not be recorded: {failures[0]}"
             logger.error("attempt %s: finished as failed: %s", attempt_id, why)
+        landed: int | None = None  # a shared store counts the calls every proxy recorded
         try:
-            attempt = await self.store.finish_attempt(attempt_id, final, why)
+            if self.shared is not None:
+                attempt, landed = await self.shared.finish_counting(attempt_id, final, why)
+            else:
+                attempt = await self.store.finish_attempt(attempt_id, final, why)
         except (StoreUnavailableError, asyncio.CancelledError):
             state.closing = None
             raise
@@ -432,7 +461,7 @@ class Proxy:
             "rollout_id": attempt.rollout_id,
             "attempt_id": attempt.attempt_id,
             "status": attempt.status.value,
-            "calls": state.n_calls - lost_calls,
+            "calls": state.n_calls - lost_calls if landed is None else landed,
             "calls_failed": state.n_errors,
             "calls_not_recorded": lost_calls,
             "rewards_not_recorded": len(failures) - lost_calls,
@@ -493,6 +522,8 @@ class Proxy:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.recorder.start()
+        if self.commits is not None:
+            self.commits.start()
         start = getattr(self.backend, "start", None)
         if callable(start):
             await start()  # e.g. the passthrough's watch for an upstream that is not up yet
@@ -500,13 +531,19 @@ class Proxy:
             yield
         finally:
             await self.recorder.stop()
+            if self.commits is not None:
+                await self.commits.stop()
             await self.backend.aclose()
             if self.close_store:
                 await self.store.close()
 
 
-def _earlier(state: AttemptState, store: Store, seq: int) -> Any:
+def _earlier(state: AttemptState, store: Store, seq: int, *, fresh: bool = False) -> Any:
+    """The earlier calls of the attempt; ``fresh``: read from the store (other proxies recorded some of them)."""
+
     async def earlier() -> list[Call]:
+        if fresh:
+            state.shed()
         return await state.earlier_calls(store, seq)
 
     return earlier

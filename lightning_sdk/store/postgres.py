@@ -68,6 +68,8 @@ _SCHEMA_LOCK = 0x6C73_646B_7363_6831  # pg_advisory_xact_lock key of schema crea
 class PostgresStore:
     """The ``Store`` protocol over one PostgreSQL database (``url``: a libpq URL, ``postgresql://...``)."""
 
+    shared = True  # many proxies may serve its attempts at once: they keep their barrier here (proxy/shared.py)
+
     def __init__(
         self,
         url: str,
@@ -239,6 +241,16 @@ class PostgresStore:
         attempt = await self._moved(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
         self.attempt_ends.bump()
         return attempt
+
+    async def finish_counting(
+        self, attempt_id: str, status: AttemptStatus, error: str | None = None
+    ) -> tuple[Attempt, int]:
+        """``finish_attempt``, and how many calls of the attempt landed (from every process), counted in the same
+        transaction under the attempt's exclusive lock."""
+        attempt, n_calls = await self._txn(ops.finish_counting, attempt_id, AttemptStatus(status), error, self.clock())
+        self._running.pop(attempt.token, None)
+        self.attempt_ends.bump()
+        return attempt, n_calls
 
     async def expire_leases(self) -> list[Attempt]:
         expired = await self._moved(ops.expire, self.clock())
