@@ -168,7 +168,8 @@ class PostgresStore:
         pool = await self._pool()
         for attempt in range(_TRIES):
             try:
-                async with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+                # reads in binary: bytea arrives as its bytes (text format sends it hex-encoded, twice the size)
+                async with pool.connection() as conn, conn.transaction(), conn.cursor(binary=read) as cur:
                     if read:
                         await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                     return await fn(cur, *args)
@@ -181,6 +182,18 @@ class PostgresStore:
             except psycopg.Error as exc:
                 raise _translate(exc, self.url) from exc
         raise AssertionError("unreachable")
+
+    async def _single(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(cursor, *args)`` for an ``fn`` of one statement, in autocommit: one round trip instead of the
+        three of BEGIN / statement / COMMIT (the per-call ``reserve_seq`` and token reads of the proxies)."""
+        pool = await self._pool()
+        try:
+            async with pool.connection() as conn, conn.cursor(binary=True) as cur:
+                return await fn(cur, *args)
+        except LightningSDKError:
+            raise
+        except psycopg.Error as exc:
+            raise _translate(exc, self.url) from exc
 
     async def _moved(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``_txn`` for moves of attempts: the attempts in the result update the token cache after COMMIT."""
@@ -263,7 +276,7 @@ class PostgresStore:
         return rollout
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
-        return await self._txn(ops.get_attempt, attempt_id, read=True)
+        return await self._single(ops.get_attempt, attempt_id)
 
     # -- calls and rewards ---------------------------------------------------------------------------------------
     async def attempt_by_token(self, token: str) -> Attempt | None:
@@ -272,7 +285,7 @@ class PostgresStore:
             attempt, read_at = cached
             if time.monotonic() - read_at < self.token_ttl_s and not lc.lease_expired(attempt, self.clock()):
                 return attempt.model_copy()
-        attempt_or_none = await self._txn(ops.attempt_by_token, token, read=True)
+        attempt_or_none = await self._single(ops.attempt_by_token, token)
         if attempt_or_none is not None and attempt_or_none.status is AttemptStatus.RUNNING:
             self._running[token] = (attempt_or_none, time.monotonic())
         else:
@@ -289,7 +302,7 @@ class PostgresStore:
         """The first of ``n`` consecutive call numbers of ``attempt_id``, unique across every process."""
         if n < 1:
             raise ConfigError(f"reserve_seq: n must be >= 1, got {n}")
-        return await self._txn(ops.reserve_seq, attempt_id, n)
+        return await self._single(ops.reserve_seq, attempt_id, n)
 
     async def record_rewards(self, rewards: list[Reward]) -> None:
         if rewards:
@@ -328,7 +341,7 @@ class PostgresStore:
         await self._txn(ops.publish_version, version)
 
     async def current_version(self) -> PolicyVersion | None:
-        return await self._txn(ops.current_version, read=True)
+        return await self._single(ops.current_version)
 
     async def set_resource(self, resource: Resource) -> None:
         await self._txn(ops.set_resource, resource)
@@ -340,7 +353,7 @@ class PostgresStore:
         await self._txn(ops.set_meta, key, value)
 
     async def get_meta(self, key: str) -> Any | None:
-        return await self._txn(ops.get_meta, key, read=True)
+        return await self._single(ops.get_meta, key)
 
     async def close(self) -> None:
         """Close every pool and the listener (idempotent); later calls raise ``StoreUnavailableError``. A pool of
