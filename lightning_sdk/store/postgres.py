@@ -12,7 +12,8 @@ groups with their rollouts, attempts and calls is one consistent snapshot, as in
 Many processes. Lifecycle rules live in ``_lifecycle`` (shared with the other stores); which rows each move locks,
 so that concurrent processes never share a claim nor record a call after a finish, is written at the top of
 ``_postgres_ops``. Attempts ended in another process reach this one's ``attempt_ends`` (what the trainer waits on)
-through ``LISTEN``/``NOTIFY`` on one extra connection.
+through ``LISTEN``/``NOTIFY`` on one extra connection, opened once ``attempt_ends`` is asked for (by the trainer;
+a proxy holds none).
 
 Token cache. ``attempt_by_token`` runs per proxied request: a running attempt is trusted for ``token_ttl_s``
 seconds after it was read (or moved by this process), then read again, since another process may have ended it.
@@ -90,8 +91,9 @@ class PostgresStore:
         self.min_size, self.max_size = min_size, max_size
         self.token_ttl_s = token_ttl_s
         self.connect_timeout_s = connect_timeout_s
-        self.attempt_ends = AttemptEnds()  # bumped by this process's ends and by NOTIFYs of the others
+        self._ends = AttemptEnds()  # bumped by this process's ends and by NOTIFYs of the others (attempt_ends)
         self._listen = listen
+        self._listen_wanted = False  # someone waits on attempt_ends (the trainer): then LISTEN
         self._closed = False
         self._lock = threading.Lock()
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
@@ -159,9 +161,27 @@ class PostgresStore:
                 raise _translate(exc, self.url) from exc
             with self._lock:
                 self._pools[loop] = pool
-                if self._listen and self._listener is None:
-                    self._listener = loop.create_task(self._listen_ends(), name="lightning_sdk-store-listen")
+            self._start_listener()
             return pool
+
+    @property
+    def attempt_ends(self) -> AttemptEnds:
+        """What the trainer waits on (store/_events.py): this process's ended attempts, and, once someone asks for
+        it, every other process's (a ``LISTEN`` connection; a proxy, which never asks, holds none)."""
+        self._listen_wanted = True
+        self._start_listener()
+        return self._ends
+
+    def _start_listener(self) -> None:
+        if not (self._listen and self._listen_wanted) or self._listener is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the first pool starts it
+        with self._lock:
+            if self._listener is None:
+                self._listener = loop.create_task(self._listen_ends(), name="lightning_sdk-store-listen")
 
     async def _txn(self, fn: Callable[..., Awaitable[T]], *args: Any, read: bool = False) -> T:
         """``await fn(cursor, *args)`` in one transaction (a snapshot for reads), retried on deadlock."""
@@ -214,9 +234,9 @@ class PostgresStore:
                     self.url, autocommit=True, connect_timeout=max(1, int(self.connect_timeout_s))
                 ) as conn:
                     await conn.execute(f"LISTEN {ops.NOTIFY_CHANNEL}")
-                    self.attempt_ends.bump()  # ends may have been missed while not listening: read once
+                    self._ends.bump()  # ends may have been missed while not listening: read once
                     async for _ in conn.notifies():
-                        self.attempt_ends.bump()
+                        self._ends.bump()
             except psycopg.Error as exc:
                 if self._closed:
                     return
@@ -252,7 +272,7 @@ class PostgresStore:
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
         attempt = await self._moved(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
-        self.attempt_ends.bump()
+        self._ends.bump()
         return attempt
 
     async def finish_counting(
@@ -262,17 +282,17 @@ class PostgresStore:
         transaction under the attempt's exclusive lock."""
         attempt, n_calls = await self._txn(ops.finish_counting, attempt_id, AttemptStatus(status), error, self.clock())
         self._running.pop(attempt.token, None)
-        self.attempt_ends.bump()
+        self._ends.bump()
         return attempt, n_calls
 
     async def expire_leases(self) -> list[Attempt]:
         expired = await self._moved(ops.expire, self.clock())
-        self.attempt_ends.bump(len(expired))
+        self._ends.bump(len(expired))
         return expired
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         rollout = await self._txn(ops.cancel, rollout_id, self.clock())
-        self.attempt_ends.bump()
+        self._ends.bump()
         return rollout
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
