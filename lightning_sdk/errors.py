@@ -17,6 +17,7 @@ Every error the library raises on purpose derives from one root::
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
      ├── EngineError              an inference engine failed (launch, generate, weight update)
      ├── TrainerError             the learner or the trainer daemon failed
+     ├── SandboxError             a sandbox could not be created, run or cleaned up (lightning_sdk.sandbox)
      └── ProxyHTTPError           an HTTP error answer the proxy gives, with its status and the field at fault
                                   (proxy/errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
 
@@ -34,6 +35,7 @@ __all__ = [
     "LightningSDKError",
     "NotFoundError",
     "RecordError",
+    "SandboxError",
     "StoreError",
     "StoreUnavailableError",
     "TokenizationError",
@@ -96,3 +98,7 @@ class EngineError(LightningSDKError):
 
 class TrainerError(LightningSDKError):
     """The learner or the trainer daemon failed."""
+
+
+class SandboxError(LightningSDKError):
+    """A sandbox could not be created, run or cleaned up (an infrastructure failure, never the agent's fault)."""

@@ -291,6 +291,7 @@ async def open_job(
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,
+                run_dir=out,
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))

@@ -206,6 +206,11 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
     engine: ServingEngine
     if remote:
         engine = _remote_engine(config, model_dir, tokenizer)
+    elif config.cluster.ray:  # the engines as Ray actors where the GPUs are (lightning_sdk/cluster)
+        from lightning_sdk.cluster import RayEngine, connect
+
+        connect(config.cluster.ray)
+        engine = RayEngine.launch(config.cluster, model_dir, tokenizer, max_batch_size=config.engine.max_batch_size)
     else:
         from lightning_sdk.engines.embedded import EmbeddedEngine
 
@@ -254,7 +259,7 @@ def _verl_parts(
     pad = tokenizer.pad_token_id
     backend = VerlBackend(
         verl_config(config, model_dir),
-        ray_address=launch.ray_address,
+        ray_address=launch.ray_address or config.cluster.ray,
         ray_num_cpus=launch.ray_num_cpus,
         use_ray=launch.use_ray,
         publish_dir=run_dir / "weights",

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_sdk.agent import load_agent
+from lightning_sdk.agent import CommandAgent, load_agent
 from lightning_sdk.app.job import open_job, split_sampling
 from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
@@ -166,10 +166,19 @@ async def run_training(
         "stopped_short": (state.get("rl") or {}).get("stop", {}).get("message") if _short(state) else None,
         "resumed": job.resumed,
         "timeline": timeline,
+        "sandbox": _sandbox_summary(agent),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     view.set_phase("done")
     return summary
+
+
+def _sandbox_summary(agent: object) -> dict[str, Any] | None:
+    """What the agent's sandboxes were held to (``isolation``: ``describe_enforcement``'s name), None without."""
+    if not isinstance(agent, CommandAgent) or agent.sandbox is None:
+        return None
+    backend = agent.sandbox.get_backend()
+    return {"backend": backend.name, **backend.describe()}
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:

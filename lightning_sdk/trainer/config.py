@@ -25,6 +25,7 @@ __all__ = [
     "BACKENDS",
     "ENGINE_KINDS",
     "VERL_LAUNCH_KEYS",
+    "ClusterConfig",
     "DataConfig",
     "EngineConfig",
     "EvalConfig",
@@ -232,6 +233,27 @@ class EngineConfig(_Section):
         return self
 
 
+class ClusterConfig(_Section):
+    """``[cluster]``: place the parts on a Ray cluster (``lightning_sdk/cluster``; docs/scale-out.md). Without
+    ``ray`` the job runs in one process, as always, and never imports Ray."""
+
+    ray: str | None = Field(None, description="join this Ray cluster: 'auto' or HOST:PORT (None: one process)")
+    engines: int = Field(1, ge=1, description="engine actors")
+    engine_resource: str = Field("GPU", description="the resource an engine needs one of (where the GPUs are)")
+    engine_cpus: float = Field(1.0, ge=0, description="CPUs each engine actor takes")
+    engine_threads: int | None = Field(None, ge=1, description="torch threads of each engine")
+    engine_retry_s: float = Field(
+        120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
+    )
+    workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
+    worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
+    lease_s: float = Field(30.0, gt=0, description="attempt lease of the worker actors (a dead one's are retried)")
+    max_attempts: int = Field(3, ge=1, description="tries per train rollout (an attempt cut off by a death retries)")
+    max_restarts: int = Field(5, ge=0, description="how often Ray restarts each actor that dies")
+    start_timeout_s: float = Field(120.0, gt=0, description="how long the actors may take to start")
+
+
 class StoreConfig(_Section):
     """Where the run's store lives: the run directory's SQLite file (the default), or a store that many proxies and
     hosts share (``url = "postgresql://user@host:5432/db"``; docs/scale-out.md)."""
@@ -260,6 +282,7 @@ class TrainConfig(_Section):
     backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
     verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
@@ -268,6 +291,11 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        if self.cluster.ray and self.engine.kind != "embedded":
+            raise ValueError(
+                "cluster.ray places embedded engines as Ray actors; with engine.kind "
+                f"{self.engine.kind!r} the servers are given by engine.urls or engine.launch: leave cluster.ray out"
+            )
         if self.verl is not None and self.backend != "verl":
             raise ValueError("a [verl] section needs backend = 'verl'")
         if self.verl is not None and "model_dir" in self.verl.model_fields_set:
