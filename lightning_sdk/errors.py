@@ -11,9 +11,10 @@ Every error the library raises on purpose derives from one root::
      ├── AuthError                missing or unknown attempt token or admin key (HTTP 401)
      ├── AttemptNotRunningError   the attempt is no longer running (HTTP 409)
      ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/503/504)
-     │    └── Http1Error          the proxy's upstream connection failed (proxy/http1.py: connect, read timeout,
+     │    └── Http1Error          the proxy's upstream connection failed (http1.py: connect, read timeout,
      │                            protocol); UpstreamHTTPError: the upstream answered an error (proxy/backend.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
+     │    └── TemplateFeatureError  the policy's chat template cannot render a request feature (tools, ...)
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
      ├── EngineError              an inference engine failed (launch, generate, weight update)
      ├── TrainerError             the learner or the trainer daemon failed
@@ -38,6 +39,7 @@ __all__ = [
     "SandboxError",
     "StoreError",
     "StoreUnavailableError",
+    "TemplateFeatureError",
     "TokenizationError",
     "TrainerError",
     "UpstreamError",
@@ -86,6 +88,17 @@ class UpstreamError(LightningSDKError):
 
 class TokenizationError(LightningSDKError):
     """Rendering, parsing or a token-fidelity check failed."""
+
+
+class TemplateFeatureError(TokenizationError):
+    """The policy's chat template cannot render a feature the request uses (tool definitions, assistant tool calls,
+    tool results, reasoning, a system prompt): refused rather than dropped from the prompt. ``param`` is the request
+    field at fault (``tools`` or ``messages``), ``feature`` the capability that is missing."""
+
+    def __init__(self, message: str, *, feature: str, param: str) -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.param = param
 
 
 class RecordError(LightningSDKError):

@@ -8,8 +8,8 @@ import pkgutil
 
 import lightning_sdk
 from lightning_sdk.errors import LightningSDKError, UpstreamError
+from lightning_sdk.http1 import Http1ConnectError, Http1ReadTimeout
 from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
-from lightning_sdk.proxy.http1 import Http1ConnectError, Http1ReadTimeout
 
 
 def test_every_exception_class_is_in_the_tree() -> None:

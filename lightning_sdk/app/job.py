@@ -43,6 +43,7 @@ from lightning_sdk.policy.warm_start import WarmStartConfig, warm_start
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig
 from lightning_sdk.store import open_store
+from lightning_sdk.telemetry import open_telemetry
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.data import load_rows
@@ -284,14 +285,16 @@ async def open_job(
             ops = OpsMetrics()  # GET /metrics: the proxy's calls and recorder, the loop's steps, the engine's version
             ops.served_version_from(lambda: parts.engine.policy_version)
             loop.ops = ops
+            loop.telemetry = telemetry = open_telemetry(config.telemetry)  # None unless [telemetry] / OTEL_* set
             await server.start(
                 loop.store,
                 parts.engine,
-                parts.engine.tokenizer,
+                parts.renderer or parts.engine.tokenizer,
                 admin_key=key,
                 sampling=split_sampling(config),
                 metrics=ops,
                 run_dir=out,
+                telemetry=telemetry,
             )
             logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
             (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
@@ -308,6 +311,8 @@ async def open_job(
         finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest
             await loop.flush_weights()
             await server.stop()
+            if loop.telemetry is not None:  # export what is queued (the SDK's thread; bounded by its timeout)
+                await asyncio.to_thread(loop.telemetry.shutdown)
             await parts.close()
             await loop.store.close()
     finally:

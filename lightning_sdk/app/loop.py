@@ -70,9 +70,10 @@ from lightning_sdk.agent._base import Agent
 from lightning_sdk.agent.tasks import rollout_reward
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.monitoring import OpsMetrics
-from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
+from lightning_sdk.records import AdvantageConfig, BuildResult, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store.base import Store
+from lightning_sdk.telemetry import StepSpan, Telemetry
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 from lightning_sdk.types import FinishedGroup, PolicyVersion
@@ -259,6 +260,7 @@ class TrainingLoop:
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
         self.ops: OpsMetrics | None = None  # the job's Prometheus metrics (learner, staleness, publication)
+        self.telemetry: Telemetry | None = None  # the job's span exporter ([telemetry]; None: off)
 
     async def resume(self) -> None:
         """Resume from the run directory's checkpoint if any (learner state, step, version, the groups consumed, the
@@ -444,6 +446,7 @@ class TrainingLoop:
 
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
+        wall_start = time.time()
         t_start = time.perf_counter()
         cpu_start = time.thread_time()
         tokens_before = self.engine.stats["tokens"]
@@ -491,12 +494,16 @@ class TrainingLoop:
         self._screened_waiting = 0
         self._extended.difference_update(self.consumed[step]["trained"] + self.consumed[step]["dropped"])
         t_publish = time.perf_counter()
+        wall_publish = time.time()
         save_s = t_publish - t_save
-        if new_version != self.version:
+        published = new_version != self.version
+        if published:
             self.version = new_version
             self._publish(await asyncio.to_thread(self.weights), new_version)
             await self.store.publish_version(PolicyVersion(version=new_version, step=step))
         publish_s = time.perf_counter() - t_publish
+        if self.telemetry is not None:
+            self._step_spans(step, built, fresh, metrics, staleness, wall_start, wall_publish, published)
         self.dropped_total += len(stale)
         counts = await self.store.counts()
         wall = time.perf_counter() - t_start
@@ -573,6 +580,41 @@ class TrainingLoop:
             for g in stale:  # still a sign of which tasks sit at the frontier
                 self.sampler.observe(g.group.group_id, _rewards_of(g))
         return n_new, outcomes
+
+    def _step_spans(
+        self,
+        step: int,
+        built: BuildResult,
+        fresh: list[FinishedGroup],
+        metrics: dict[str, float],
+        staleness: list[int],
+        wall_start: float,
+        wall_publish: float,
+        published: bool,
+    ) -> None:
+        """The step's span (linked to the attempts it trained) and its weight publication's (telemetry on)."""
+        assert self.telemetry is not None
+        trained = [r.attempt_id for r in built.reports if r.trained and r.attempt_id is not None]
+        advantages = [a for rec in built.records if isinstance(a := rec.scalar_advantage(), float)]
+        loss = metrics.get("loss")
+        parent = self.telemetry.training_step(
+            StepSpan(
+                step=step,
+                version=self.version,
+                attempt_ids=trained,
+                started_at=wall_start,
+                ended_at=wall_publish,
+                loss=float(loss) if loss is not None else None,
+                advantages=advantages,
+                records=len(built.records),
+                groups=len(fresh),
+                staleness_mean=sum(staleness) / max(1, len(staleness)),
+            )
+        )
+        if published:
+            self.telemetry.publication(
+                parent, step=step, version=self.version, started_at=wall_publish, ended_at=time.time()
+            )
 
     def _publish(self, weights: Any, version: int) -> None:
         """Hand new weights to the engine without waiting: the swap waits for the engine's running batch, and the

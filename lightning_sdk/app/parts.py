@@ -21,16 +21,19 @@ import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import ConfigError, EngineError
+from lightning_sdk.errors import ConfigError, EngineError, TokenizationError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.learner import Learner
+
+if TYPE_CHECKING:
+    from lightning_sdk.tokens import ChatRenderer
 
 __all__ = [
     "LearnerLike",
@@ -131,6 +134,7 @@ class Parts:
     save_model: Callable[[Path], None]
     model: PreTrainedModel | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
 
     async def close(self) -> None:
         """Close the engine (and the servers it launched), then shut the backend down."""
@@ -203,6 +207,7 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
 
     remote = config.engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
+    renderer = policy_renderer(config, tokenizer)
     engine: ServingEngine
     if remote:
         engine = _remote_engine(config, model_dir, tokenizer)
@@ -223,7 +228,9 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
         )
     if config.backend == "verl":
         try:
-            return _verl_parts(config, run_dir, model_dir, engine, tokenizer, remote)
+            parts = _verl_parts(config, run_dir, model_dir, engine, tokenizer, remote)
+            parts.renderer = renderer
+            return parts
         except BaseException:
             if isinstance(engine, ServedEngine):
                 engine.stop_servers()
@@ -240,7 +247,24 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
-    return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model)
+    return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def policy_renderer(config: TrainConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:
+    """The policy's chat template, probed and chosen (``ChatRenderer.for_policy``: ``policy.chat_template``, the
+    model's own, or its family's tool format), set on ``tokenizer`` too: the warm start, the learner's checkpoints
+    and the engines' copies then render with the template the proxy renders with."""
+    from lightning_sdk.tokens import BUILTIN_TEMPLATES, ChatRenderer
+
+    value = config.policy.chat_template
+    if value is not None and value not in BUILTIN_TEMPLATES:
+        value = config.resolve(value)
+    try:
+        renderer = ChatRenderer.for_policy(tokenizer, value, name=config.policy.model)
+    except TokenizationError as exc:
+        raise ConfigError(f"policy {config.policy.model!r}: {exc}") from exc
+    tokenizer.chat_template = renderer.chat_template
+    return renderer
 
 
 def _verl_parts(

@@ -5,7 +5,7 @@ and per-choice ``token_ids``; see ``proxy/shapes.py``); fields the agent did not
 receives. An engine that returns text only still works: its calls are recorded without ids and flagged in
 ``checks`` (``missing_token_ids``) so they are never trained silently.
 
-Connections are kept alive in an ``Http1Pool`` (``proxy/http1.py``; measured here: half of aiohttp's CPU per
+Connections are kept alive in an ``Http1Pool`` (``lightning_sdk/http1.py``; measured here: half of aiohttp's CPU per
 request, a fifth of httpx's).
 Failures before the first byte reaches the agent are retried, one level, by ``lightning_sdk._retry`` (connection
 errors, 429, 5xx, a reply cut off mid-body: at most ``max_retries + 1`` POSTs per call); then the agent gets an
@@ -30,8 +30,8 @@ import orjson
 
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import UpstreamError
+from lightning_sdk.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
 from lightning_sdk.proxy.shapes import (
     ChatStreamAssembler,
     CompletionStreamAssembler,

