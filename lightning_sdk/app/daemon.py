@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.agent import load_agent
-from lightning_sdk.app.job import Job, open_job
+from lightning_sdk.app.job import Job, open_job, split_sampling
 from lightning_sdk.app.loop import RunStopped, StepReport, never
 from lightning_sdk.app.view import ProgressView
 from lightning_sdk.trainer.config import TrainConfig
@@ -112,8 +112,20 @@ async def _place_workers(job: Job) -> _Placed:
     from lightning_sdk.cluster import ClusterRun
 
     config = job.config
-    run = ClusterRun.start(config.cluster, config.resolve(config.agent), job.server.url, job.admin_key)
+    run = await ClusterRun.start(
+        config.cluster,
+        config.resolve(config.agent),
+        job.server.url,
+        job.admin_key,
+        engine=job.parts.engine,
+        model_dir=job.model_dir,
+        sampling=split_sampling(config),
+        host=config.host,
+    )
     placed = _Placed(job, run)
     await placed.write(job.out)
-    job.view.note(f"{config.cluster.workers} worker actors on the Ray cluster ({job.out / 'cluster.json'})")
+    job.view.note(
+        f"{config.cluster.proxies} proxy and {config.cluster.workers} worker actors on the Ray cluster "
+        f"({job.out / 'cluster.json'})"
+    )
     return placed

@@ -195,6 +195,7 @@ class Job:
     resumed: bool
     t_start: float
     timeline: dict[str, float] = field(default_factory=dict)  # seconds since the start when each phase ended
+    model_dir: Path | None = None  # the policy directory the parts were built from
 
     def mark(self, name: str) -> None:
         self.timeline[name] = round(time.perf_counter() - self.t_start, 2)
@@ -274,7 +275,9 @@ async def open_job(
         view = view or ProgressView(config.name, config.rl.steps)
         resumed = load_checkpoint(out) is not None
         check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
-        view.set_phase("building the policy")
+        kind = config.engine.kind
+        launching = kind in ("vllm", "sglang") and not config.engine.urls
+        view.set_phase(f"building the policy and launching the {kind} server" if launching else "building the policy")
         model_dir = prepare_policy(config, out, demos)
         loop, parts = build_loop(config, out, model_dir, train_tasks, server.url, max_attempts=max_attempts)
         key = admin_key or secrets.token_urlsafe(24)
@@ -303,6 +306,7 @@ async def open_job(
                 on_ready(server.url, key)
             metrics = MetricsLog(out, backends=config.metrics, name=config.name)
             job = Job(config, out, loop, parts, server, key, view, metrics, train_tasks, demos, resumed, t_start)
+            job.model_dir = model_dir
             job.mark("startup_s")
             try:
                 yield job

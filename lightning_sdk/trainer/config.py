@@ -252,6 +252,11 @@ class ClusterConfig(_Section):
     engine_retry_s: float = Field(
         120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
     )
+    proxies: int = Field(
+        0, ge=0, description="proxy actors on CPU nodes the worker actors call (0: they call the daemon's proxy)"
+    )
+    proxy_cpus: float = Field(1.0, ge=0, description="CPUs each proxy actor takes")
+    proxy_resource: str | None = Field(None, description="a resource each proxy actor needs one of (CPU nodes)")
     workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
     worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
