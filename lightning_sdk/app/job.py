@@ -275,7 +275,9 @@ async def open_job(
         view = view or ProgressView(config.name, config.rl.steps)
         resumed = load_checkpoint(out) is not None
         check_warm_start(config, not resumed and config.warm_start.enabled and bool(demos))
-        view.set_phase("building the policy")
+        kind = config.engine.kind
+        launching = kind in ("vllm", "sglang") and not config.engine.urls
+        view.set_phase(f"building the policy and launching the {kind} server" if launching else "building the policy")
         model_dir = prepare_policy(config, out, demos)
         loop, parts = build_loop(config, out, model_dir, train_tasks, server.url, max_attempts=max_attempts)
         key = admin_key or secrets.token_urlsafe(24)

@@ -241,10 +241,12 @@ def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
     if isinstance(engine, ServedEngine):
         writer = _disk_weights(model, tokenizer, run_dir / "weights")
         engine.write_state = writer
-        weights = lambda: writer(None)  # noqa: E731
+        # with LoRA the model holds PEFT's modules: the checkpoint is the merged state (the base model's names)
+        lora = config.learner.lora is not None
+        weights = lambda: writer(learner.weights() if lora else None)  # noqa: E731
 
     def save(out: Path) -> None:
-        model.save_pretrained(str(out))
+        model.save_pretrained(str(out), state_dict=learner.weights() if config.learner.lora is not None else None)
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model, renderer=renderer)
