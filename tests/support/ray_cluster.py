@@ -136,9 +136,13 @@ class RayCluster:
         return node
 
     def alive_nodes(self) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", _COUNT_NODES, self.address], capture_output=True, text=True, timeout=60, env=self.env
-        )
+        try:  # a client's ray.init can take a minute on a loaded machine: then it counts as not yet
+            out = subprocess.run(
+                [sys.executable, "-c", _COUNT_NODES, self.address], capture_output=True, text=True, timeout=90,
+                env=self.env,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return 0
         found = re.search(r"^alive nodes: (\d+)$", out.stdout, re.M)  # Ray may print its own lines around it
         return int(found.group(1)) if out.returncode == 0 and found else 0
 
