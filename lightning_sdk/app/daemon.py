@@ -19,6 +19,7 @@ from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RunStopped, StepReport, never
 from lightning_sdk.app.view import ProgressView
+from lightning_sdk.app.warmup import run_warm_start
 from lightning_sdk.trainer.config import TrainConfig
 
 __all__ = ["run_daemon"]
@@ -36,7 +37,7 @@ async def run_daemon(
     """Serve, warm-start if configured, enqueue ``data.train`` for the workers and train ``rl.steps`` steps."""
     async with open_job(config, run_dir, view=view, admin_key=admin_key, on_ready=on_ready, require_train=False) as job:
         if job.needs_warm_start and not stop():
-            await job.warm_start(load_agent(config.resolve(config.agent)), stop)
+            await run_warm_start(job, load_agent(config.agent), stop)
         job.view.set_phase("waiting for workers")
 
         def on_step(report: StepReport) -> None:

@@ -69,16 +69,17 @@ from lightning_sdk.agent import WorkerPool, run_tasks
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.agent.tasks import rollout_reward
 from lightning_sdk.errors import TrainerError
-from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
+from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store.base import Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from lightning_sdk.trainer.config import RLConfig
+from lightning_sdk.trainer.sampling import TaskSampler
 from lightning_sdk.trainer.stopping import GainTarget
 from lightning_sdk.types import FinishedGroup, PolicyVersion
 
 if TYPE_CHECKING:
-    from lightning_sdk.app.parts import LearnerLike, ServingEngine
-    from lightning_sdk.trainer.sampling import TaskSampler
+    from lightning_sdk.app.parts import LearnerLike, Parts, ServingEngine
 
 __all__ = [
     "RLResult",
@@ -89,6 +90,7 @@ __all__ = [
     "evaluate",
     "group_version",
     "never",
+    "records_config",
     "run_rl",
 ]
 
@@ -128,6 +130,21 @@ def _engine_busy(engine: Any) -> float:
 def _rewards_of(group: FinishedGroup) -> list[float]:
     """The final reward of each rollout's succeeded attempt (rollouts without one are left out)."""
     return [r for r in map(rollout_reward, group.rollouts) if r is not None]
+
+
+def records_config(rl: RLConfig, engine: object) -> RecordsConfig:
+    """How the loop builds records: the ``[rl]`` section's advantage settings (same names as ``AdvantageConfig``'s),
+    and rows never longer than the engine's context (``max_model_len`` where the engine tells it): a longer segment
+    is cut and flagged ``truncated``, which the fidelity report counts, so no row is trained past the context."""
+    limit = getattr(engine, "max_model_len", None)
+    return RecordsConfig(
+        merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
+        advantage=AdvantageConfig(
+            estimator=rl.estimator,
+            drop_zero_variance=rl.drop_zero_variance,
+            train_single_groups=rl.train_single_groups,
+        ),
+    )
 
 
 REST = "-rest"
@@ -258,6 +275,42 @@ class TrainingLoop:
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
 
+    @classmethod
+    def configured(
+        cls,
+        store: Store,
+        parts: Parts,
+        run_dir: str | Path,
+        rl: RLConfig,
+        *,
+        train_tasks: Sequence[dict[str, Any]] = (),
+        url: str = "",
+        max_attempts: int = 1,
+    ) -> TrainingLoop:
+        """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
+        ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
+        sampler = (
+            TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
+            if rl.replay_share > 0 and train_tasks
+            else None
+        )
+        return cls(
+            store,
+            parts.engine,
+            parts.learner,
+            run_dir,
+            url=url,
+            weights=parts.weights,
+            train_tasks=train_tasks,
+            tasks_per_step=rl.tasks_per_step,
+            samples_per_task=rl.samples_per_task,
+            max_staleness=rl.max_staleness,
+            records_config=records_config(rl, parts.engine),
+            max_attempts=max_attempts,
+            sampler=sampler,
+            screen_samples=rl.screen_samples,
+        )
+
     async def resume(self) -> None:
         """Resume from the run directory's checkpoint if any (learner state, step, version, the groups consumed, the
         engine's weights); else publish the starting version."""
@@ -267,6 +320,8 @@ class TrainingLoop:
             return
         self.learner.load_state_dict(ckpt.learner)
         self.step, self.version, self.next_task, self.consumed = ckpt.step, ckpt.version, ckpt.next_task, ckpt.consumed
+        if self.sampler is not None:  # new groups continue after the last enqueued one
+            self.sampler.start_at(self.next_task)
         if ckpt.step in ckpt.consumed:  # the crash may have hit between the checkpoint and the store update
             await self.store.consume_groups(ckpt.step, ckpt.groups_of(ckpt.step))
         await self.engine.update_weights(await asyncio.to_thread(self.weights), self.version)

