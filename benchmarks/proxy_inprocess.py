@@ -15,6 +15,12 @@ token. Reported per call: CPU of the event-loop thread (request parsing and vali
 of ids and log-probs, the record, the recorder hand-off), of the whole process (plus the store's writer thread:
 rows and SQLite), the garbage collector's share (``gc.callbacks``) and wall time; then the same with recording
 off (``record_calls`` a no-op) in the same run, and the ratios. The process runs with ``serve()``'s GC set-up.
+
+``--compare-metrics`` instead alternates rounds with the Prometheus metrics on (the default: ``GET /metrics``, the
+call observer, the recorder's counters) and off (``ProxyConfig(metrics=False)``), recording on in both, and prints
+the ratio of the medians::
+
+    python benchmarks/proxy_inprocess.py --compare-metrics --rounds 4
 """
 
 from __future__ import annotations
@@ -105,8 +111,10 @@ async def _asgi(app: Any, method: str, path: str, body: bytes, headers: list[tup
     return sent
 
 
-async def measure(calls: int, rounds: int, concurrency: int, record: bool, reply: bytes) -> list[Round]:
-    from lightning_sdk.proxy import PassthroughBackend, create_app
+async def measure(
+    calls: int, rounds: int, concurrency: int, record: bool, reply: bytes, metrics: bool = True
+) -> list[Round]:
+    from lightning_sdk.proxy import PassthroughBackend, ProxyConfig, create_app
     from lightning_sdk.store import SQLiteStore
 
     tmp = tempfile.mkdtemp(prefix="ls-inproc-")
@@ -123,7 +131,7 @@ async def measure(calls: int, rounds: int, concurrency: int, record: bool, reply
         return _Canned(reply)
 
     backend._pool.send = send  # type: ignore[method-assign,assignment]
-    app = create_app(store, policy_backend=backend, admin_key="bench")
+    app = create_app(store, policy_backend=backend, admin_key="bench", config=ProxyConfig(metrics=metrics))
     proxy = app.state.proxy
     life_in: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     life_out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -195,6 +203,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30000, help="calls per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--compare-metrics", action="store_true", help="metrics on vs off, rounds alternated")
     args = parser.parse_args()
     import sys
 
@@ -211,6 +220,9 @@ def main() -> None:
     tune_gc_for_serving()
     import os
 
+    if args.compare_metrics:
+        compare_metrics(args, reply)
+        return
     results = {}
     for record in (True, False):
         results[record] = asyncio.run(measure(args.calls, args.rounds, args.concurrency, record, reply))
@@ -231,6 +243,36 @@ def main() -> None:
     print(
         f"\nrecording's share (medians): event loop {on.main_us / off.main_us:.2f}x, process "
         f"{on.process_us / off.process_us:.2f}x, wall {on.wall_us / off.wall_us:.2f}x of the app with recording off"
+    )
+
+
+def compare_metrics(args: argparse.Namespace, reply: bytes) -> None:
+    """Alternate one round with the metrics on and one with them off, ``--rounds`` times; print the medians."""
+    import os
+
+    rounds: dict[bool, list[Round]] = {True: [], False: []}
+    load = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        for on in (True, False):
+            rounds[on] += asyncio.run(measure(args.calls, 1, args.concurrency, True, reply, metrics=on))
+        load.append(os.getloadavg()[0])
+    print(
+        f"\nthe proxy's own CPU per call with and without the Prometheus metrics ({args.rounds} alternated rounds of "
+        f"{args.calls:,} calls each at concurrency {args.concurrency}; load average {min(load):.2f}-{max(load):.2f})\n"
+    )
+    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
+    print(head)
+    print("-" * len(head))
+    med = {}
+    for on, label in ((True, "metrics on (default)"), (False, "metrics off")):
+        rs = rounds[on]
+        med[on] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
+        m = med[on]
+        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
+    on_, off = med[True], med[False]
+    print(
+        f"\nmetrics on / off (medians): event loop {on_.main_us / off.main_us:.3f}x, process "
+        f"{on_.process_us / off.process_us:.3f}x, wall {on_.wall_us / off.wall_us:.3f}x"
     )
 
 

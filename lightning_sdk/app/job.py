@@ -35,6 +35,7 @@ from lightning_sdk.app.parts import Parts, build_parts
 from lightning_sdk.app.server import ProxyServer, bind_socket
 from lightning_sdk.app.view import MetricsLog, ProgressView
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.policy.prepare import prepare_policy
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store import open_store
@@ -155,7 +156,12 @@ async def open_job(
             key = admin_key or secrets.token_urlsafe(24)
             try:
                 await loop.resume()
-                await server.start(store, parts.engine, parts.engine.tokenizer, admin_key=key, sampling=sampling)
+                ops = OpsMetrics()  # GET /metrics: the proxy's calls and recorder, the loop's steps, the served version
+                ops.served_version_from(lambda: parts.engine.policy_version)
+                loop.ops = ops
+                await server.start(
+                    store, parts.engine, parts.engine.tokenizer, admin_key=key, sampling=sampling, metrics=ops
+                )
                 logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
                 (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
                 view.note(f"proxy on {server.url} (admin key in {out / 'daemon.json'})")

@@ -69,6 +69,7 @@ from lightning_sdk.agent import WorkerPool, run_tasks
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.agent.tasks import rollout_reward
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, MergeOptions, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store.base import Store
@@ -274,6 +275,7 @@ class TrainingLoop:
         self.learner_busy_s = 0.0
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
+        self.ops: OpsMetrics | None = None  # the job's Prometheus metrics (learner, staleness, publication)
 
     @classmethod
     def configured(
@@ -553,6 +555,9 @@ class TrainingLoop:
         self.dropped_total += len(stale)
         counts = await self.store.counts()
         wall = time.perf_counter() - t_start
+        if self.ops is not None:
+            trained = bool(built.records)
+            self.ops.training_step(learner_s if trained else None, publish_s if trained else None, staleness)
         return StepReport(
             step=step,
             version=self.version,

@@ -17,6 +17,7 @@ import uvicorn
 
 from lightning_sdk.engines.base import Engine
 from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Resource
@@ -79,8 +80,10 @@ class ProxyServer:
         admin_key: str,
         sampling: SplitSampling | None,
         model_name: str = "policy",
+        metrics: OpsMetrics | None = None,
     ) -> None:
-        """Serve the proxy (token mode over ``engine``, ``sampling`` per split) and publish it as a resource."""
+        """Serve the proxy (token mode over ``engine``, ``sampling`` per split; ``metrics`` at ``GET /metrics``)
+        and publish it as a resource."""
         from lightning_sdk.proxy import create_app
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
@@ -88,7 +91,7 @@ class ProxyServer:
 
         renderer = ChatRenderer(tokenizer)
         backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
-        app = create_app(store, policy_backend=backend, admin_key=admin_key)
+        app = create_app(store, policy_backend=backend, admin_key=admin_key, metrics=metrics)
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
         server, task = self._server, self._task

@@ -7,6 +7,7 @@ Routes (the HTTP contract in docs/concepts.md / ARCHITECTURE.md)::
     POST /lightning/v1/reward, POST /lightning/v1/finish                (attempt token)
     POST /lightning/v1/sessions, GET /lightning/v1/rollouts[/{id}]      (admin key)
     GET  /lightning/v1/health                                           (no key)
+    GET  /metrics                                                       (no key: Prometheus, lightning_sdk.monitoring)
     /lightning/v1/store/...                                             (the store over HTTP, admin key)
 
 One LLM call: read the body (413 over ``max_body_bytes``), parse and validate it (400 naming the field), resolve
@@ -40,6 +41,7 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import AttemptNotRunningError, ConfigError, LightningSDKError, StoreUnavailableError
 from lightning_sdk.http_errors import bearer_token
+from lightning_sdk.monitoring import OpsMetrics, metrics_route
 from lightning_sdk.proxy.admin import admin_routes
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import (
@@ -95,6 +97,7 @@ class ProxyConfig:
     )
     cancel_on_disconnect: bool = True  # watch requests for the agent hanging up (then the upstream call is closed)
     hang_up_watch_after_s: float = 0.05  # arm that watch this far into a call (cheaper for fast calls; 0 = at once)
+    metrics: bool = True  # serve GET /metrics (Prometheus; lightning_sdk.monitoring)
 
 
 class Proxy:
@@ -109,6 +112,7 @@ class Proxy:
         external: ExternalBackend | None = None,
         config: ProxyConfig | None = None,
         close_store: bool = False,
+        metrics: OpsMetrics | None = None,
     ) -> None:
         self.store = store
         self.close_store = close_store
@@ -116,7 +120,14 @@ class Proxy:
         self.external = external
         self.admin_key = admin_key
         self.config = config or ProxyConfig()
-        self.recorder = Recorder(store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch)
+        if metrics is None and self.config.metrics:
+            metrics = OpsMetrics()
+        self.metrics = metrics
+        self.recorder = Recorder(
+            store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch, metrics=metrics
+        )
+        if metrics is not None:
+            metrics.refreshers.append(self._refresh_metrics)
         after_s = self.config.hang_up_watch_after_s
         self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(
@@ -140,6 +151,14 @@ class Proxy:
             version = pv.version if pv is not None else 0
             self._version = (t, version)
         return version
+
+    async def _refresh_metrics(self) -> None:
+        """At scrape: rollouts by status and ready groups from the store, and the policy version served."""
+        assert self.metrics is not None
+        self.metrics.set_counts(await self.store.counts())
+        version = None if self.metrics.version_is_read else await self.policy_version()
+        if version is not None:
+            self.metrics.policy_version.set(version)
 
     @staticmethod
     def token_of(request: Request) -> str | None:
@@ -406,6 +425,8 @@ class Proxy:
             state.closing = "ended"
             raise
         self.attempts.ended(state.attempt.token, attempt)
+        if self.metrics is not None:
+            self.metrics.attempt_ended(attempt.status.value)
         lost_calls = sum(1 for f in failures if f.startswith("call "))
         return {
             "rollout_id": attempt.rollout_id,
@@ -798,18 +819,29 @@ def create_app(
     mount_store: bool = True,
     extra_routes: list[BaseRoute] | None = None,
     close_store: bool = False,
+    metrics: OpsMetrics | None = None,
 ) -> ProxyApp:
     """The proxy as an ASGI app (``app.state.proxy`` is the ``Proxy``: its ``recorder``, ``attempts``, ...).
 
     ``external`` routes model names to providers through LiteLLM; ``mount_store`` serves the store's HTTP API at
     ``/lightning/v1/store`` (admin key); ``extra_routes`` are added to the app (e.g. the daemon's task queue);
-    ``close_store`` closes the store when the app shuts down (after the last records are written).
+    ``close_store`` closes the store when the app shuts down (after the last records are written); ``metrics``
+    is what ``GET /metrics`` serves (a new ``OpsMetrics`` on its own registry when not given; none when
+    ``config.metrics`` is false and none is given).
     """
     if not admin_key:
         raise ConfigError("create_app: an admin key is required")
     if isinstance(external, list):
         external = ExternalBackend(external) if external else None
-    proxy = Proxy(store, policy_backend, admin_key=admin_key, external=external, config=config, close_store=close_store)
+    proxy = Proxy(
+        store,
+        policy_backend,
+        admin_key=admin_key,
+        external=external,
+        config=config,
+        close_store=close_store,
+        metrics=metrics,
+    )
     llm: list[BaseRoute] = [
         Route("/v1/chat/completions", _LLMEndpoint(proxy, chat=True), methods=["POST"]),
         Route("/v1/completions", _LLMEndpoint(proxy, chat=False), methods=["POST"]),
@@ -820,6 +852,7 @@ def create_app(
         *llm,
         Mount("/t/{token}", routes=[*llm, *admin_routes(proxy, token_routes_only=True)]),
         Route("/lightning/v1/health", proxy.health, methods=["GET"]),
+        *([metrics_route(proxy.metrics)] if proxy.metrics is not None else []),
         *admin_routes(proxy),
         *(extra_routes or ()),
     ]

@@ -19,10 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 
 from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.errors import LightningSDKError, StoreError, StoreUnavailableError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Call, Reward
 
@@ -43,8 +45,12 @@ class Recorder:
         linger_s: float = 0.05,
         retries: int = 3,
         retry_s: float = 0.2,
+        metrics: OpsMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics  # batch write seconds, items written, store errors; the queue depth at scrape
+        if metrics is not None:
+            metrics.queue_depth_from(lambda: self.pending)
         self.linger_s = linger_s
         self._urgent = asyncio.Event()  # set by flush/stop: write now, do not linger
         self.max_batch = max_batch
@@ -213,6 +219,7 @@ class Recorder:
     async def _write(self, batch: list[Call | Reward]) -> None:
         calls = [item for item in batch if isinstance(item, Call)]
         rewards = [item for item in batch if isinstance(item, Reward)]
+        t0 = time.perf_counter()
         try:
             await retry(
                 lambda: self._commit(calls, rewards),
@@ -220,9 +227,13 @@ class Recorder:
                 retry_if=lambda exc: isinstance(exc, StoreUnavailableError),
                 what=f"recorder: writing {len(batch)} calls/rewards",
             )
+            if self.metrics is not None:
+                self.metrics.record_written(time.perf_counter() - t0, len(calls), len(rewards))
             return
         except LightningSDKError as exc:
             logger.warning("recorder: batch write failed (%s); writing its items one by one", exc)
+            if self.metrics is not None:
+                self.metrics.store_error("record_batch")
         for item in batch:  # isolate the bad item(s)
             await self._write_one(item)
 
@@ -235,12 +246,18 @@ class Recorder:
             self.written_rewards += len(rewards)
 
     async def _write_one(self, item: Call | Reward) -> None:
+        t0 = time.perf_counter()
         try:
             if isinstance(item, Call):
                 await self._commit([item], [])
             else:
                 await self._commit([], [item])
+            if self.metrics is not None:
+                is_call = isinstance(item, Call)
+                self.metrics.record_written(time.perf_counter() - t0, int(is_call), int(not is_call))
         except LightningSDKError as exc:
+            if self.metrics is not None:
+                self.metrics.store_error("record_item")
             what = f"call {item.call_id}" if isinstance(item, Call) else f"reward {item.name!r}"
             logger.error("recorder: could not record %s of attempt %s: %s", what, item.attempt_id, exc)
             self._failed[item.attempt_id].append(f"{what}: {exc}")
