@@ -291,6 +291,7 @@ class TrainingLoop:
     ) -> TrainingLoop:
         """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
         ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
+        built = records_config(rl, parts.engine)
         sampler = (
             TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
             if rl.replay_share > 0 and train_tasks
@@ -307,7 +308,7 @@ class TrainingLoop:
             tasks_per_step=rl.tasks_per_step,
             samples_per_task=rl.samples_per_task,
             max_staleness=rl.max_staleness,
-            records_config=records_config(rl, parts.engine),
+            records_config=built,
             max_attempts=max_attempts,
             sampler=sampler,
             screen_samples=rl.screen_samples,

@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lightning_sdk.engines.serving import ENGINE_KINDS, EngineConfig
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
@@ -164,10 +165,7 @@ class EvalConfig(_Section):
 
 Backend = Literal["embedded", "verl"]
 """``backend``: who does the policy update (the embedded torch ``Learner``, or verl's FSDP workers)."""
-EngineKind = Literal["embedded", "sglang", "vllm"]
-"""``[engine] kind``: who serves the policy to the proxy."""
 BACKENDS: tuple[str, ...] = get_args(Backend)
-ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 #: keys of ``[verl]`` that say how verl's ranks start (not part of ``VerlConfig``).
 VERL_LAUNCH_KEYS = ("use_ray", "ray_address", "ray_num_cpus")
 
@@ -186,40 +184,6 @@ class VerlSettings(VerlConfig):
         ``TrainConfig``) with the policy directory."""
         data = self.model_dump(exclude=set(VERL_LAUNCH_KEYS))
         return VerlConfig.model_validate({**data, "model_dir": model_dir})
-
-
-class EngineConfig(_Section):
-    """Who serves the policy: the in-process embedded engine, or SGLang/vLLM servers (``urls`` of running ones, or
-    ``launch = true`` to start them with ``lightning_sdk.engines.launch`` on ``model_path``, default the policy)."""
-
-    kind: EngineKind = Field("embedded", description="embedded (in process), sglang or vllm servers")
-    urls: list[str] = Field(default_factory=list, description="running servers (sglang/vllm)")
-    launch: bool = Field(False, description="start the servers (sglang/vllm) with lightning_sdk.engines.launch")
-    model_path: str | None = Field(None, description="launch: the model the servers load (default: the policy)")
-    gpus: list[list[int]] = Field(
-        default_factory=list, description="launch: one server per GPU group (tensor parallel within)"
-    )
-    extra_args: list[str] = Field(default_factory=list, description="launch: appended to the server's command line")
-    python: str | None = Field(
-        None, description="launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)"
-    )
-    max_batch_size: int = Field(256, ge=1, description="embedded: requests generated together")
-    threads: int | None = Field(
-        None,
-        ge=1,
-        description="embedded: torch intra-op threads of the engine's thread (torch keeps them per thread; default: "
-        "the process's, all cores)",
-    )
-
-    @model_validator(mode="after")
-    def _servers(self) -> EngineConfig:
-        if self.kind == "embedded" and (self.urls or self.launch):
-            raise ValueError("engine.urls / engine.launch are for kind 'sglang' or 'vllm', not 'embedded'")
-        if self.kind != "embedded" and not self.urls and not self.launch:
-            raise ValueError(f"engine.kind {self.kind!r} needs engine.urls (running servers) or engine.launch = true")
-        if self.urls and self.launch:
-            raise ValueError("engine.urls and engine.launch = true exclude each other")
-        return self
 
 
 class TrainConfig(_Section):
