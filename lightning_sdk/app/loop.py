@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_sdk.agent import WorkerPool, run_tasks
 from lightning_sdk.agent._base import Agent
 from lightning_sdk.app.schedule import Schedule, Taken, generated_tokens, group_ids, group_version
-from lightning_sdk.errors import TrainerError
+from lightning_sdk.errors import RunStopped
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
 from lightning_sdk.store._events import AttemptEnds
@@ -85,14 +85,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class RunStopped(TrainerError):
-    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"stopped at step {step}")
-        self.step = step
 
 
 def never() -> bool:

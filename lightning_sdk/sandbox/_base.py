@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from lightning_sdk.errors import ConfigError, LightningSDKError
+from lightning_sdk.errors import ConfigError, SandboxError
 
 __all__ = [
     "ExecResult",
@@ -25,10 +25,6 @@ __all__ = [
     "SandboxSpec",
     "get_backend",
 ]
-
-
-class SandboxError(LightningSDKError):
-    """A sandbox could not be created, run or cleaned up (an infrastructure failure, never the agent's fault)."""
 
 
 @dataclass(frozen=True)
