@@ -54,14 +54,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_sdk.agent import WorkerPool, run_tasks
-from lightning_sdk.agent._base import Agent
+from lightning_sdk.agent import Agent, WorkerPool, run_tasks
 from lightning_sdk.app.schedule import Schedule, Taken, generated_tokens, group_ids, group_version
 from lightning_sdk.errors import RunStopped
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
-from lightning_sdk.store._events import AttemptEnds
-from lightning_sdk.store.base import Store
+from lightning_sdk.store import AttemptEnds, Store
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.config import RLConfig
 from lightning_sdk.trainer.sampling import TaskSampler

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sdk.agent._base import Agent
+from lightning_sdk.agent import Agent
 from lightning_sdk.app.loop import RunStopped, evaluate, never
 from lightning_sdk.policy.warm_start import warm_start
 

@@ -6,6 +6,7 @@ docs/store.md.
 """
 
 from lightning_sdk.store._clock import Clock, ManualClock
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
 from lightning_sdk.store._reaper import reap_leases
 from lightning_sdk.store._sync import run_sync
@@ -19,6 +20,7 @@ from lightning_sdk.types import FinishedGroup
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "AttemptEnds",
     "Clock",
     "FinishedGroup",
     "HTTPStore",
