@@ -18,6 +18,7 @@ FORBIDDEN = {
     "trainer": ("app", "cli"),
     "agent": ("app", "trainer", "cli"),
     "proxy": ("app", "trainer", "cli"),
+    "viewer": ("app", "trainer", "cli", "proxy", "agent", "engines"),
 }
 
 

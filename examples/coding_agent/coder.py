@@ -3,7 +3,8 @@
 
 It knows only ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``OPENAI_MODEL`` (standard library only, so it starts in
 ~30 ms), works in its current directory (the repository), and is run by ``agent.py`` inside a sandbox. Each
-``bash`` call runs ``bash -c CMD`` in a network namespace of its own when ``unshare -n`` is permitted, killed after
+``bash`` call runs ``bash -c CMD`` in a network namespace of its own when ``unshare -n`` (or, unprivileged,
+``unshare -rn``) is permitted, killed after
 ``--cmd-timeout`` seconds, its output truncated to ``--output-chars``. ``submit`` ends the episode; the last line
 printed is ``{"submitted": true|false, "turns": N}``. Run by hand against any OpenAI-compatible server::
 
@@ -68,11 +69,13 @@ def chat(messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
 
 
 def _isolation() -> list[str]:
-    try:
-        if subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0:
-            return ["unshare", "-n"]
-    except (OSError, subprocess.SubprocessError):
-        pass
+    """``unshare -n`` (root), else ``unshare -rn`` (a user namespace: an unprivileged sandbox user), else none."""
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        try:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.SubprocessError):
+            pass
     return []
 
 

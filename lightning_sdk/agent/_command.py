@@ -277,8 +277,12 @@ class CommandAgent:
         """Run the command once (in ``sandbox`` when given: its directory, its limits); the process group is killed
         on timeout, cancellation and exit."""
         with tempfile.TemporaryDirectory(prefix="lightning-task-") as tmp:
-            task_file = os.path.join(tmp, "task.json")
-            Path(task_file).write_text(json.dumps(task, ensure_ascii=False), encoding="utf-8")
+            text = json.dumps(task, ensure_ascii=False)
+            if sandbox is not None:  # where the sandboxed program can read it (and no other sandbox can)
+                task_file = sandbox.write_private("task.json", text)
+            else:
+                task_file = os.path.join(tmp, "task.json")
+                Path(task_file).write_text(text, encoding="utf-8")
             args = self.render_args(task, task_file)
             env = self.process_env(task, llm, extra_env)
             if sandbox is not None:
@@ -312,7 +316,8 @@ class CommandAgent:
             finally:
                 _signal_group(proc.pid, signal.SIGKILL)  # leftovers of a program that exited before its children
             out, err = await asyncio.gather(*readers)
-            code = proc.returncode if proc.returncode is not None else -1
+            code = sandbox.exit_code(proc) if sandbox is not None else proc.returncode
+            code = code if code is not None else -1
             return CommandResult(code, out.decode(errors="replace"), err.decode(errors="replace"), timed_out)
 
     async def _kill_group(self, proc: asyncio.subprocess.Process) -> None:
@@ -352,6 +357,8 @@ class CommandAgent:
             result = await self.execute(ctx.task, ctx.llm, timeout=timeout, extra_env=extra, sandbox=box)
         except ConfigError as exc:
             return AttemptOutcome("failed", error=str(exc))
+        if box is not None:  # the verifier runs once nothing of the agent runs any more (a fork it left, a setsid)
+            await box.kill_processes()
         if result.timed_out:
             return AttemptOutcome(
                 "timed_out", error=f"{self.name} timed out after {timeout} s\n{tail(result.stderr)}".rstrip()

@@ -148,8 +148,10 @@ async def open_job(
             view.set_phase("building the policy")
             model_dir = prepare_policy(config.policy, out, tasks.demonstrations)
             # the learner's section: [verl] when backend = "verl" (the config made one then), else [learner]
-            parts = build_parts(out, model_dir, engine=config.engine, learner=config.verl or config.learner)
-            store = open_store(out / "store.db")
+            parts = build_parts(
+                out, model_dir, engine=config.engine, learner=config.verl or config.learner, cluster=config.cluster
+            )
+            store = open_store(config.store.spec(out))
             loop = TrainingLoop.configured(
                 store, parts, out, config.rl, train_tasks=tasks.train, url=server.url, max_attempts=max_attempts
             )
@@ -160,7 +162,13 @@ async def open_job(
                 ops.served_version_from(lambda: parts.engine.policy_version)
                 loop.ops = ops
                 await server.start(
-                    store, parts.engine, parts.engine.tokenizer, admin_key=key, sampling=sampling, metrics=ops
+                    store,
+                    parts.engine,
+                    parts.engine.tokenizer,
+                    admin_key=key,
+                    sampling=sampling,
+                    metrics=ops,
+                    run_dir=out,
                 )
                 logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
                 (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))

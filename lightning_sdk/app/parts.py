@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.serving import EngineConfig, ServedEngine, ServingEngine, disk_checkpoints, open_engine
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.config import VerlSettings
+from lightning_sdk.trainer.config import ClusterConfig, VerlSettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 __all__ = ["LearnerLike", "Parts", "ServedEngine", "ServingEngine", "build_parts"]
@@ -65,15 +65,28 @@ class Parts:
 
 
 def build_parts(
-    run_dir: Path, model_dir: Path, *, engine: EngineConfig, learner: LearnerConfig | VerlSettings
+    run_dir: Path,
+    model_dir: Path,
+    *,
+    engine: EngineConfig,
+    learner: LearnerConfig | VerlSettings,
+    cluster: ClusterConfig | None = None,
 ) -> Parts:
-    """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says, and the learner of the
-    learner section handed over (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks)."""
+    """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says (with ``cluster.ray``, the
+    embedded engines as Ray actors: ``lightning_sdk/cluster``), and the learner of the learner section handed over
+    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks)."""
     from lightning_sdk.policy.model import load_policy
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
-    served = open_engine(engine, model, tokenizer, model_dir)
+    served: ServingEngine
+    if cluster is not None and cluster.ray and not remote:  # the engines as Ray actors where the GPUs are
+        from lightning_sdk.cluster import RayEngine, connect
+
+        connect(cluster.ray)
+        served = RayEngine.launch(cluster, model_dir, tokenizer, max_batch_size=engine.max_batch_size)
+    else:
+        served = open_engine(engine, model, tokenizer, model_dir)
     if isinstance(learner, VerlSettings):
         try:
             return _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)

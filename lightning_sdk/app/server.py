@@ -12,8 +12,10 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
+from starlette.routing import BaseRoute, Mount
 
 from lightning_sdk.engines.base import Engine
 from lightning_sdk.errors import ConfigError, TrainerError
@@ -22,7 +24,10 @@ from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Resource
 
-__all__ = ["ProxyServer", "bind_socket", "free_port"]
+__all__ = ["UI_PATH", "ProxyServer", "bind_socket", "free_port"]
+
+UI_PATH = "/lightning/v1/ui"
+"""Where the job's proxy serves the run viewer (admin key: bearer, or ``?key=`` once in a browser)."""
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +86,11 @@ class ProxyServer:
         sampling: SplitSampling | None,
         model_name: str = "policy",
         metrics: OpsMetrics | None = None,
+        run_dir: Path | None = None,
     ) -> None:
         """Serve the proxy (token mode over ``engine``, ``sampling`` per split; ``metrics`` at ``GET /metrics``)
-        and publish it as a resource."""
+        and publish it as a resource; with ``run_dir``, the run viewer at ``/lightning/v1/ui`` too (behind the
+        admin key)."""
         from lightning_sdk.proxy import create_app
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
@@ -91,7 +98,13 @@ class ProxyServer:
 
         renderer = ChatRenderer(tokenizer)
         backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
-        app = create_app(store, policy_backend=backend, admin_key=admin_key, metrics=metrics)
+        extra: list[BaseRoute] = []
+        if run_dir is not None:
+            from lightning_sdk.viewer import RunData, create_viewer_app
+
+            viewer = create_viewer_app(RunData(run_dir, store, tokenizer=tokenizer), admin_key=admin_key)
+            extra.append(Mount(UI_PATH, app=viewer))
+        app = create_app(store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra)
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
         server, task = self._server, self._task

@@ -24,13 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_sdk.agent import load_agent
+from lightning_sdk.agent import CommandAgent, load_agent
 from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.app.warmup import run_warm_start
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.stopping import GainTarget
+from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 
 __all__ = ["NO_EVAL", "run_training"]
 
@@ -86,6 +86,14 @@ async def run_training(
                 else None
             )
 
+            # RL ends early enough for the final evaluation (the evaluation before RL measures it), so with a target
+            # that evaluation is a last check that runs before max_wall_s, whatever the trigger said
+            budget = (
+                WallBudget(t_start + rl.max_wall_s, check_s=float(state.get("eval_before", {}).get("wall_s", 0.0)))
+                if rl.max_wall_s
+                else None
+            )
+
             def on_step(report: StepReport) -> None:
                 if target is not None:
                     target.observe_step(report.fresh_outcomes)
@@ -104,7 +112,7 @@ async def run_training(
                 on_step=on_step,
                 held_out=held_out,
                 target=target,
-                deadline=t_start + rl.max_wall_s if rl.max_wall_s else None,
+                budget=budget,
                 t_start=t_start,
                 note=note,
                 on_rl=lambda: view.set_phase("RL"),
@@ -116,14 +124,16 @@ async def run_training(
             if early is not None:  # run_rl closed them, unless something failed before it could
                 await early.close()
 
+        if done.final is not None:  # the last check is the final evaluation: nothing was trained after it
+            state["eval_after"] = done.final
         if done.reached is not None:
-            state["eval_after"] = done.reached
             timeline["target_reached_s"] = done.checks[-1]["elapsed_s"]
         state["rl"] = {
             "steps": loop.step,
             "wall_s": round(done.wall_s, 2),
             "learner_busy_s": round(loop.learner_busy_s, 2),
             "checks": done.checks,
+            "stop": done.stop,
         }
         job.mark("rl_end_s")
 
@@ -151,15 +161,30 @@ async def run_training(
         "rl": state.get("rl"),
         "dropped_stale_groups": loop.dropped_total,
         "reward_curve": str(curve) if curve else None,
+        "stopped_short": (state.get("rl") or {}).get("stop", {}).get("message") if _short(state) else None,
         "resumed": job.resumed,
         "timeline": timeline,
+        "sandbox": _sandbox_summary(agent),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     view.set_phase("done")
     return summary
 
 
+def _sandbox_summary(agent: object) -> dict[str, Any] | None:
+    """What the agent's sandboxes were held to (``isolation``: ``describe_enforcement``'s name), None without."""
+    if not isinstance(agent, CommandAgent) or agent.sandbox is None:
+        return None
+    backend = agent.sandbox.get_backend()
+    return {"backend": backend.name, **backend.describe()}
+
+
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _short(state: dict[str, Any]) -> bool:
+    """Whether RL ended with a target it did not meet (``rl.stop.short``)."""
+    return bool((state.get("rl") or {}).get("stop", {}).get("short"))

@@ -1,4 +1,4 @@
-"""The ``lightning-sdk`` command: ``train``, ``daemon``, ``run``, ``proxy`` and ``records``.
+"""The ``lightning-sdk`` command: ``train``, ``daemon``, ``run``, ``proxy``, ``records`` and ``view``.
 
 Each command lives in its own ``*_cmd`` module and registers itself on the shared typer ``app``.
 """
@@ -17,7 +17,7 @@ __all__ = ["OPENMP_MARK", "app", "main", "passive_openmp"]
 
 def _register() -> None:
     # Imported for their side effect: each module adds its command to ``app``.
-    from lightning_sdk.cli import daemon_cmd, proxy_cmd, records_cmd, run_cmd, train_cmd  # noqa: F401
+    from lightning_sdk.cli import daemon_cmd, proxy_cmd, records_cmd, run_cmd, train_cmd, view_cmd  # noqa: F401
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:

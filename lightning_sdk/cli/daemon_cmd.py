@@ -31,6 +31,11 @@ def daemon_command(
     admin_key: str | None = typer.Option(
         None, "--admin-key", envvar="LIGHTNING_SDK_ADMIN_KEY", help="Admin key (generated when not given)."
     ),
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="Place the engines and agent workers on this Ray cluster ('auto' or HOST:PORT; [cluster] in the config).",
+    ),
 ) -> None:
     """Run the trainer daemon: a proxy and a trainer that wait for agent workers."""
     from lightning_sdk.app import RunStopped, run_daemon
@@ -44,6 +49,8 @@ def daemon_command(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
+    if ray:
+        overrides["cluster.ray"] = ray
     stop = GracefulStop(note=lambda message: console.print(message, markup=False))
 
     def ready(url: str, key: str) -> None:

@@ -29,12 +29,18 @@ import typer
 
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import LightningSDKError
-from lightning_sdk.store import ADMIN_KEY_ENV
+from lightning_sdk.store import ADMIN_KEY_ENV, redact_url
 
 if TYPE_CHECKING:
     from lightning_sdk.tokens import ChatRenderer
 
 __all__ = ["proxy"]
+
+
+_STORE_HELP = (
+    "Store: a SQLite file path (created if missing), a postgresql://USER@HOST:PORT/DB URL (one store many proxies "
+    "share: docs/scale-out.md), or a daemon's http(s) store URL."
+)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -94,7 +100,7 @@ def _load_renderer(path: str) -> ChatRenderer:
 @app.command("proxy")
 def proxy(
     upstream: Annotated[str, typer.Option(help="Base URL of the OpenAI-compatible server, ending in /v1.")],
-    store: Annotated[str, typer.Option(help="Store: a SQLite file path (created if missing), or an http(s) URL.")],
+    store: Annotated[str, typer.Option(help=_STORE_HELP)],
     host: Annotated[str, typer.Option(help="Interface to bind (127.0.0.1 unless you mean it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 4700,
     admin_key: Annotated[
@@ -154,14 +160,14 @@ def proxy(
     if not admin:
         admin = secrets.token_urlsafe(24)
         typer.echo(f"admin key (generated): {admin}")
-    if not store.startswith(("http://", "https://")):
+    if "://" not in store:
         parent = Path(store).expanduser().resolve().parent
         if not parent.is_dir():
             raise _fail(f"--store {store}: folder {parent} does not exist")
     try:
         the_store = open_store(store, admin_key=admin)
     except LightningSDKError as exc:
-        raise _fail(f"--store {store}: {exc}") from None
+        raise _fail(f"--store {redact_url(store)}: {exc}") from None
     backend: PolicyBackend = PassthroughBackend(
         PassthroughConfig(
             upstream=upstream,
@@ -185,7 +191,7 @@ def proxy(
     )
     application = create_app(the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True)
     retok = f", retokenizing text-only replies with {tokenizer}" if renderer is not None else ""
-    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {shown_upstream} (store: {store}){retok}")
+    typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {shown_upstream} (store: {redact_url(store)}){retok}")
     typer.echo("calls get 503 + Retry-After until the upstream answers (state: GET /lightning/v1/health)")
     typer.echo(
         f"open a session: POST http://{host}:{port}/lightning/v1/sessions with 'Authorization: Bearer <admin key>'"

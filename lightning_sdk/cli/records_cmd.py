@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def _open_store(spec: str, admin_key: str | None) -> Store:
-    """The store behind ``spec`` (a SQLite file that must exist, or an http(s) URL of a daemon's store)."""
-    if not spec.startswith(("http://", "https://")) and not Path(spec).expanduser().exists():
+    """The store behind ``spec`` (a SQLite file that must exist, an http(s) URL of a daemon's store, or a
+    postgresql:// URL)."""
+    if "://" not in spec and not Path(spec).expanduser().exists():
         raise ConfigError(f"store {spec!r} does not exist")
     return open_store(spec, admin_key=admin_key)
 
@@ -68,7 +69,9 @@ async def _run(
 
 @app.command("records")
 def records(
-    store: str = typer.Option(..., "--store", help="The store: a SQLite file path (or a store spec)."),
+    store: str = typer.Option(
+        ..., "--store", help="The store: a SQLite file path, a postgresql://USER@HOST/DB URL or a daemon's store URL."
+    ),
     out: Path = typer.Option(..., "--out", help="Output file: JSONL, or Parquet when it ends in .parquet."),
     tokenizer: Path | None = typer.Option(
         None, "--tokenizer", help="The policy's HF tokenizer directory: checks ids and decodes --show."

@@ -3,6 +3,7 @@
 Store + proxy + embedded engine + learner + in-process agent workers; warm start, held-out evaluation before and
 after, async RL with a live view; ``RUN_DIR`` ends with ``summary.json``, ``metrics.jsonl``, ``reward_curve.png``,
 TensorBoard logs and the trained model in ``RUN_DIR/model``. Re-running with the same ``--output`` resumes.
+``--view`` serves the run viewer (``lightning-sdk view``) on ``--view-port`` during the run and prints its URL.
 
 SIGINT/SIGTERM stop gracefully (workers release their attempts, the learner checkpoints its step, the proxy stops
 last) and exit with ``128 + signal`` (130 / 143); a second signal exits at once.
@@ -43,25 +44,33 @@ def train_command(
     config: Path = typer.Argument(..., help="A training config (TOML/YAML/JSON) or an example directory holding one."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Run directory (default: runs/NAME-TIME)."),
     set_: list[str] = typer.Option([], "--set", help="Override a config value, e.g. --set rl.steps=10 (repeatable)."),
+    view: bool = typer.Option(False, "--view", help="Serve the run viewer during the run and print its URL."),
+    view_port: int = typer.Option(4800, "--view-port", help="The viewer's port with --view (0: a free one)."),
 ) -> None:
     """Train an agent with RL: warm start, evaluate, train asynchronously, evaluate again."""
     from lightning_sdk.app import RunStopped, run_training
     from lightning_sdk.app.view import ProgressView
     from lightning_sdk.trainer.config import load_train_config
     from lightning_sdk.trainer.stopping import GracefulStop
+    from lightning_sdk.viewer.serve import ViewerThread
 
     console = Console(stderr=True)
     stop = GracefulStop(note=lambda message: console.print(message, markup=False))
 
-    async def main(view: ProgressView) -> dict[str, Any]:
+    async def main(progress: ProgressView) -> dict[str, Any]:
         stop.install()
-        return await run_training(cfg, run_dir, view=view, stop=stop)
+        return await run_training(cfg, run_dir, view=progress, stop=stop)
+
+    viewer: ViewerThread | None = None
 
     try:
         cfg = load_train_config(config, _parse_set(set_))
         run_dir = output or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        with ProgressView(cfg.name, cfg.rl.steps, console=console) as view:
-            summary = asyncio.run(main(view))
+        if view:
+            viewer = ViewerThread(run_dir, host=cfg.host, port=view_port).start()
+            console.print(f"run viewer: {viewer.url}", markup=False, highlight=False)
+        with ProgressView(cfg.name, cfg.rl.steps, console=console) as progress:
+            summary = asyncio.run(main(progress))
     except RunStopped as exc:
         console.print(f"{exc}; re-run with the same --output ({run_dir}) to resume", markup=False)
         raise typer.Exit(stop.exit_code) from None
@@ -71,6 +80,9 @@ def train_command(
     except KeyboardInterrupt:
         console.print("interrupted; re-run with the same --output to resume")
         raise typer.Exit(130) from None
+    finally:
+        if viewer is not None:
+            viewer.stop()
     before, after = summary["eval_before"], summary["eval_after"]
     if before["success_rate"] is not None and after["success_rate"] is not None:
         console.print(

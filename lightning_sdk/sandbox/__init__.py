@@ -10,6 +10,11 @@ One sandbox per attempt, created from the task's repository state (a mapping ``p
 
 What the local-process backend enforces (``describe_enforcement()`` says it at run time):
 
+* isolation (``describe_enforcement()["isolation"]``): ``per-sandbox-user`` where root (each sandbox its own uid in
+  its own PID/mount/IPC/UTS namespaces, in a view of the machine that holds only the system, Python, the command's
+  program files, its workspace, a private ``/tmp`` and home); ``shared-user`` (the trainer's uid, limits only) only
+  when accepted explicitly (``isolation="shared-user"``), else creating the backend raises ``SandboxError``;
+
 * wall time: every process of a sandbox is killed (its process group, SIGTERM then SIGKILL) at its ``timeout``
   and at the sandbox's ``wall_s`` deadline;
 * CPU time, address space (memory), file size, open files: ``setrlimit`` in every process it starts (inherited by
@@ -28,18 +33,24 @@ A sandbox that cannot be created or run raises ``SandboxError``: the attempt fai
 turns into a reward of 0.
 """
 
-from lightning_sdk.sandbox._base import (
-    ExecResult,
-    Sandbox,
-    SandboxBackend,
-    SandboxError,
-    SandboxLimits,
-    SandboxSpec,
-    get_backend,
+from lightning_sdk.sandbox._base import ExecResult, Sandbox, SandboxBackend, SandboxError, SandboxLimits
+from lightning_sdk.sandbox._local import (
+    ISOLATION_SHARED,
+    ISOLATION_USER,
+    ISOLATIONS,
+    LocalBackend,
+    LocalSandbox,
+    describe_enforcement,
+    reap_leftovers,
 )
-from lightning_sdk.sandbox._local import LocalBackend, LocalSandbox, describe_enforcement, reap_leftovers
+from lightning_sdk.sandbox._spec import BACKENDS, BackendRegistry, SandboxSpec, get_backend
 
 __all__ = [
+    "BACKENDS",
+    "ISOLATIONS",
+    "ISOLATION_SHARED",
+    "ISOLATION_USER",
+    "BackendRegistry",
     "ExecResult",
     "LocalBackend",
     "LocalSandbox",

@@ -1,4 +1,5 @@
-"""The sandbox interface: limits, results, the ``Sandbox`` and ``SandboxBackend`` contracts, a backend registry.
+"""The sandbox interface: limits, results, the ``Sandbox`` and ``SandboxBackend`` contracts (the spec and the
+backend registry are in ``_spec``).
 
 A backend creates sandboxes from a repository state (``files``: relative path -> text); a sandbox runs commands
 (``exec``: run to completion, output captured and truncated) and programs (``start``: an asyncio subprocess the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from lightning_sdk.errors import ConfigError, SandboxError
@@ -22,8 +23,6 @@ __all__ = [
     "SandboxBackend",
     "SandboxError",
     "SandboxLimits",
-    "SandboxSpec",
-    "get_backend",
 ]
 
 
@@ -69,7 +68,16 @@ class Sandbox(abc.ABC):
 
     id: str
     path: str  # the working directory (the repository root)
+    home: str  # its private home directory
     limits: SandboxLimits
+
+    @abc.abstractmethod
+    def write_private(self, name: str, text: str) -> str:
+        """Write a file in the sandbox's home that only its programs (and the trainer) can read; its path."""
+
+    @abc.abstractmethod
+    def exit_code(self, proc: asyncio.subprocess.Process) -> int | None:
+        """The exit code of a program ``start`` started, once it ended (negative: killed by that signal)."""
 
     @abc.abstractmethod
     async def fresh(self, files: Mapping[str, str]) -> Sandbox:
@@ -118,6 +126,7 @@ class SandboxBackend(Protocol):
 
     name: str
     max_sandboxes: int
+    isolation: str  # describe_enforcement's name of the isolation its sandboxes get
 
     async def create(self, files: Mapping[str, str], limits: SandboxLimits | None = None) -> Sandbox: ...
 
@@ -125,56 +134,6 @@ class SandboxBackend(Protocol):
         """How many sandboxes of this backend exist now."""
         ...
 
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """How a command agent gets its sandbox: which task field holds the repository files, the limits, the backend.
-
-    ``files_field`` names a task field holding ``{path: text}``; ``backend`` is a registered backend name
-    (``"local"``) with ``backend_options`` (for the local one: ``root``, ``max_sandboxes``, ``create_timeout_s``).
-    """
-
-    files_field: str = "repo"
-    limits: SandboxLimits = field(default_factory=SandboxLimits)
-    backend: str = "local"
-    backend_options: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, section: Mapping[str, Any]) -> SandboxSpec:
-        known = {"files_field", "limits", "backend", "max_sandboxes", "root", "create_timeout_s"}
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ConfigError(f"unknown sandbox keys {unknown}; known: {sorted(known)}")
-        options = {k: section[k] for k in ("max_sandboxes", "root", "create_timeout_s") if k in section}
-        return cls(
-            files_field=str(section.get("files_field", "repo")),
-            limits=SandboxLimits.from_config(section.get("limits")),
-            backend=str(section.get("backend", "local")),
-            backend_options=options,
-        )
-
-    def files_of(self, task: Mapping[str, Any]) -> Mapping[str, str]:
-        files = task.get(self.files_field)
-        if not isinstance(files, Mapping):
-            raise ConfigError(f"the task has no {self.files_field!r} mapping of path -> text for its sandbox")
-        return files
-
-    def get_backend(self) -> SandboxBackend:
-        return get_backend(self.backend, **dict(self.backend_options))
-
-
-_BACKENDS: dict[tuple[str, tuple[tuple[str, Any], ...]], SandboxBackend] = {}
-
-
-def get_backend(name: str = "local", **options: Any) -> SandboxBackend:
-    """The process-wide backend of ``name`` with ``options`` (one per distinct options, so its cap is shared by
-    every agent of the process that asks for it)."""
-    key = (name, tuple(sorted((k, str(v)) for k, v in options.items())))
-    if key not in _BACKENDS:
-        if name == "local":
-            from lightning_sdk.sandbox._local import LocalBackend
-
-            _BACKENDS[key] = LocalBackend(**options)
-        else:
-            raise ConfigError(f"unknown sandbox backend {name!r}; available: local")
-    return _BACKENDS[key]
+    def describe(self) -> dict[str, str]:
+        """What its sandboxes are held to (``describe_enforcement`` of its isolation)."""
+        ...

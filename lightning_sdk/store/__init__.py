@@ -7,7 +7,7 @@ docs/store.md.
 
 from lightning_sdk.store._clock import Clock, ManualClock
 from lightning_sdk.store._events import AttemptEnds
-from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
+from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store, redact_url
 from lightning_sdk.store._reaper import reap_leases
 from lightning_sdk.store._sync import run_sync
 from lightning_sdk.store.base import Store
@@ -32,6 +32,7 @@ __all__ = [
     "load_groups",
     "open_store",
     "reap_leases",
+    "redact_url",
     "run_sync",
     "store_routes",
 ]

@@ -32,11 +32,13 @@ __all__ = [
     "BACKENDS",
     "ENGINE_KINDS",
     "VERL_LAUNCH_KEYS",
+    "ClusterConfig",
     "DataConfig",
     "EngineConfig",
     "EvalConfig",
     "PolicyConfig",
     "RLConfig",
+    "StoreConfig",
     "TrainConfig",
     "VerlSettings",
     "WarmStartSettings",
@@ -91,7 +93,10 @@ class RLConfig(_Section):
     max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
     workers: int = Field(64, ge=1, description="in-process agent workers (train)")
     max_wall_s: float | None = Field(
-        420.0, description="stop RL once the whole run has taken this long (evaluations after it excluded)"
+        420.0,
+        description="the whole run's wall budget: RL stops early enough for one more step and the final evaluation "
+        "(its time: the slowest held-out evaluation so far), which, with target_gain, is a last target check "
+        "(trainer/stopping.py WallBudget)",
     )
     seed: int = Field(0, description="torch seed and task sampling seed")
     target_gain: float | None = Field(
@@ -186,6 +191,43 @@ class VerlSettings(VerlConfig):
         return VerlConfig.model_validate({**data, "model_dir": model_dir})
 
 
+class ClusterConfig(_Section):
+    """``[cluster]``: place the parts on a Ray cluster (``lightning_sdk/cluster``; docs/scale-out.md). Without
+    ``ray`` the job runs in one process, as always, and never imports Ray."""
+
+    ray: str | None = Field(None, description="join this Ray cluster: 'auto' or HOST:PORT (None: one process)")
+    engines: int = Field(1, ge=1, description="engine actors")
+    engine_resource: str = Field("GPU", description="the resource an engine needs one of (where the GPUs are)")
+    engine_cpus: float = Field(1.0, ge=0, description="CPUs each engine actor takes")
+    engine_threads: int | None = Field(None, ge=1, description="torch threads of each engine")
+    engine_retry_s: float = Field(
+        120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
+    )
+    workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
+    worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
+    worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
+    lease_s: float = Field(30.0, gt=0, description="attempt lease of the worker actors (a dead one's are retried)")
+    max_attempts: int = Field(3, ge=1, description="tries per train rollout (an attempt cut off by a death retries)")
+    max_restarts: int = Field(5, ge=0, description="how often Ray restarts each actor that dies")
+    start_timeout_s: float = Field(120.0, gt=0, description="how long the actors may take to start")
+
+
+class StoreConfig(_Section):
+    """Where the run's store lives: the run directory's SQLite file (the default), or a store that many proxies and
+    hosts share (``url = "postgresql://user@host:5432/db"``; docs/scale-out.md)."""
+
+    url: str | None = Field(
+        None,
+        description="a store spec (lightning_sdk.open_store): postgresql://USER@HOST:PORT/DB, or a SQLite file path "
+        "(relative to the config's directory); default: RUN_DIR/store.db",
+    )
+
+    def spec(self, run_dir: Path) -> str:
+        """What ``open_store`` opens for this run: ``url`` (a SQLite path made absolute when the config was loaded),
+        else the run directory's ``store.db``."""
+        return self.url or str(run_dir / "store.db")
+
+
 class TrainConfig(_Section):
     """The whole job: each section is its component's own config (``[learner]`` is ``LearnerConfig``,
     ``[warm_start]`` extends ``WarmStartConfig``, ``[verl]`` extends ``VerlConfig``), so every knob of every
@@ -203,6 +245,8 @@ class TrainConfig(_Section):
     backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
     verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")
@@ -210,6 +254,11 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        if self.cluster.ray and self.engine.kind != "embedded":
+            raise ValueError(
+                "cluster.ray places embedded engines as Ray actors; with engine.kind "
+                f"{self.engine.kind!r} the servers are given by engine.urls or engine.launch: leave cluster.ray out"
+            )
         if self.verl is not None and self.backend != "verl":
             raise ValueError("a [verl] section needs backend = 'verl'")
         if self.verl is not None and "model_dir" in self.verl.model_fields_set:
@@ -237,11 +286,16 @@ class TrainConfig(_Section):
             self.policy.model = self._resolve(self.policy.model)
         if self.engine.model_path:
             self.engine.model_path = self._resolve(self.engine.model_path)
+        url = self.store.url
+        if url and "://" not in url and url != "memory":  # a SQLite file
+            self.store.url = self._resolve(url)
         self.learner.temperature = self.rl.temperature
         if self.backend == "verl" and self.verl is None:
             self.verl = VerlSettings()
         if self.verl is not None:
             self.verl.temperature = self.rl.temperature
+            if self.verl.ray_address is None and self.cluster.ray:  # verl's ranks join the job's cluster
+                self.verl.ray_address = self.cluster.ray
         return self
 
     def _resolve(self, ref: str) -> str:

@@ -12,9 +12,10 @@ import logging
 import math
 import os
 import signal
+import time
 from collections.abc import Callable
 
-__all__ = ["GainTarget", "GracefulStop"]
+__all__ = ["GainTarget", "GracefulStop", "WallBudget"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +127,58 @@ class GainTarget:
         if per_step > 0:
             self._projected = self._steps + math.ceil((self.baseline + self.gain - success) / per_step)
         return False
+
+
+class WallBudget:
+    """The wall-clock budget of a run (``[rl] max_wall_s``) and what RL must leave of it for its final held-out
+    evaluation, so that evaluation (a target check) always runs before the budget ends.
+
+    ``end`` is when the whole run should be done (``clock()`` time). RL is over (``rl_over()``) once the time left
+    no longer covers one more step's own work (the slowest of the last three steps, waits for groups excluded: the
+    learner's update cannot be cut short) plus the final evaluation (``check_reserve_s``: the slowest evaluation so
+    far, ``slack`` times, plus ``pad_s``; the evaluation before RL is the first measure). A check that runs while RL
+    is over is the run's last: its result is the final evaluation, and whether it met the target is what the run
+    reports. The clock is a parameter so the rule is tested on a controlled one.
+    """
+
+    def __init__(
+        self,
+        end: float,
+        *,
+        check_s: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+        slack: float = 1.25,
+        pad_s: float = 2.0,
+    ) -> None:
+        self.end = end
+        self.clock = clock
+        self.slack = slack
+        self.pad_s = pad_s
+        self._check_s = max(0.0, check_s)
+        self._steps: list[float] = []
+
+    @property
+    def check_reserve_s(self) -> float:
+        """Seconds kept for the final held-out evaluation."""
+        return self.slack * self._check_s + self.pad_s
+
+    @property
+    def step_reserve_s(self) -> float:
+        """Seconds one more RL step's own work may take (0 before any step)."""
+        return max(self._steps[-3:], default=0.0)
+
+    def left_s(self) -> float:
+        """Seconds left of the whole budget (negative once it is spent)."""
+        return self.end - self.clock()
+
+    def observe_step(self, busy_s: float) -> None:
+        """One RL step's own work (its wall time less its wait for groups)."""
+        self._steps.append(max(0.0, busy_s))
+
+    def observe_check(self, wall_s: float) -> None:
+        """A held-out evaluation's wall time (the reserve follows the slowest so far)."""
+        self._check_s = max(self._check_s, wall_s)
+
+    def rl_over(self) -> bool:
+        """True once another step would eat into the final evaluation's reserve."""
+        return self.left_s() <= self.step_reserve_s + self.check_reserve_s

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from lightning_sdk.sandbox import LocalBackend, SandboxError, SandboxLimits, describe_enforcement, reap_leftovers
+from lightning_sdk.sandbox._local import _pids_of_uid, _pids_with_marker
+from tests.support.waiting import until
 
 PY = sys.executable
 FILES = {"pkg/__init__.py": "", "pkg/mod.py": "def f(x):\n    return x + 1\n"}
@@ -99,8 +101,9 @@ async def test_wall_timeout_kills_the_process_group_including_grandchildren(back
         t0 = time.monotonic()
         res = await box.exec("sleep 60 & echo $!; sleep 60", timeout=0.5)
         assert res.timed_out and time.monotonic() - t0 < 10
-        grandchild = int(res.stdout.split()[0])
-        assert _wait_dead(grandchild)
+        assert res.stdout.split()  # the grandchild started (its pid is its PID namespace's: look for it by marker)
+        uid = box.uid
+        until(lambda: not _pids_with_marker(box.id) and not (uid is not None and _pids_of_uid(uid)), timeout=5)
 
 
 async def test_sandbox_wall_deadline_kills_started_programs(backend: LocalBackend) -> None:
@@ -138,10 +141,12 @@ async def test_close_kills_background_processes_and_removes_everything(backend: 
     box = await backend.create(FILES)
     proc = await box.start(["bash", "-c", "setsid sleep 60 & echo $!; sleep 60"])
     assert proc.stdout is not None
-    escaped = int((await proc.stdout.readline()).decode())  # left the process group: found by cgroup / marker
-    cgroups = list(box.cgroups)
+    assert int((await proc.stdout.readline()).decode())  # left the process group: found by cgroup / marker / uid
+    cgroups, uid = list(box.cgroups), box.uid
+    assert len(_pids_with_marker(box.id)) >= 3  # bash, its sleep and the escaped one
     await box.close()
-    assert _wait_dead(proc.pid) and _wait_dead(escaped)
+    assert _wait_dead(proc.pid)
+    until(lambda: not _pids_with_marker(box.id) and not (uid is not None and _pids_of_uid(uid)), timeout=5)
     assert not box.directory.exists()
     assert all(not Path(cg).exists() for cg in cgroups)
 
@@ -181,6 +186,7 @@ async def test_cap_waits_for_a_slot_then_times_out(tmp_path: Path) -> None:
         await asyncio.sleep(0.1)
         await a.close()
 
+    backend.create_timeout_s = 60.0  # now it waits (a close under load takes longer than the refusal's 0.3 s)
     closer = asyncio.create_task(later())
     c = await backend.create(FILES)  # got a's slot
     await closer

@@ -1,7 +1,10 @@
 """Fixtures for the store tests: the same behavioural tests run over every store implementation.
 
-``store`` is parametrised over ``memory``, ``sqlite`` (a real file in tmp_path) and ``http`` (a real uvicorn server
-on a free loopback port serving ``store_routes`` over a SQLiteStore file, used through ``HTTPStore``). Every store
+``store`` is parametrised over ``memory``, ``sqlite`` (a real file in tmp_path), ``http`` (a real uvicorn server
+on a free loopback port serving ``store_routes`` over a SQLiteStore file, used through ``HTTPStore``) and
+``postgres`` (a fresh database on the session's real PostgreSQL server, tests/conftest.py). ``durable`` is
+the stores that keep their data across a reopen (``sqlite``, ``postgres``): ``reopen()`` gives a new object on the
+same data. Every store
 reads the time from ``clock`` (a ``ManualClock``), so lease tests move time instead of sleeping.
 """
 
@@ -64,10 +67,16 @@ def clock() -> ManualClock:
     return ManualClock()
 
 
-@pytest.fixture(params=["memory", "sqlite", "http"])
+@pytest.fixture(params=["memory", "sqlite", "http", "postgres"])
 async def store(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock) -> AsyncIterator[Store]:
     kind: str = request.param
-    if kind == "memory":
+    if kind == "postgres":
+        from lightning_sdk.store.postgres import PostgresStore
+
+        s = PostgresStore(request.getfixturevalue("postgres_url"), clock=clock)
+        yield s
+        await s.close()
+    elif kind == "memory":
         s: Store = MemoryStore(clock=clock)
         yield s
         await s.close()
@@ -90,3 +99,26 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClo
             await s.close()
             server.stop()
             await backing.close()
+
+
+class Durable:
+    """A store that keeps its data across a reopen: ``open()`` makes a new store object on the same data."""
+
+    def __init__(self, kind: str, where: str, clock: ManualClock) -> None:
+        self.kind, self.where, self.clock = kind, where, clock
+
+    def open(self) -> Store:
+        if self.kind == "sqlite":
+            from lightning_sdk.store.sqlite import SQLiteStore
+
+            return SQLiteStore(self.where, clock=self.clock)
+        from lightning_sdk.store.postgres import PostgresStore
+
+        return PostgresStore(self.where, clock=self.clock)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def durable(request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock) -> Durable:
+    if request.param == "sqlite":
+        return Durable("sqlite", str(tmp_path / "store.db"), clock)
+    return Durable("postgres", request.getfixturevalue("postgres_url"), clock)

@@ -1,4 +1,5 @@
-"""Behaviour of the Store protocol, run identically over MemoryStore, SQLiteStore and HTTPStore (see conftest)."""
+"""Behaviour of the Store protocol: one conformance suite run identically over MemoryStore, SQLiteStore, HTTPStore
+and PostgresStore (``store``), and over the durable ones for reopening (``durable``; see conftest)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import pytest
 
-from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError
+from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError, StoreUnavailableError
 from lightning_sdk.store import ManualClock, Store
 from lightning_sdk.types import (
     AttemptStatus,
@@ -16,6 +17,8 @@ from lightning_sdk.types import (
     Reward,
     RolloutStatus,
 )
+
+from .conftest import Durable
 
 # -- enqueue / claim / heartbeat / finish ----------------------------------------------------------------------------
 
@@ -511,3 +514,58 @@ async def test_versions_resources_meta(store: Store) -> None:
     assert await store.get_meta("ckpt") == {"step": 3, "path": "/x", "vals": [1.5, None]}
     await store.set_meta("ckpt", 7)
     assert await store.get_meta("ckpt") == 7
+
+
+async def test_a_batch_of_calls_keeps_the_first_of_each_id(store: Store) -> None:
+    """250 calls in one batch (SQLite: three multi-row statements; PostgreSQL: one pipelined executemany) are all
+    stored with exact ids and log-probs; an id repeated in the same batch, or already stored, keeps its first
+    version."""
+    claim = await store.open_session({"q": 1})
+    aid, rid = claim.attempt.attempt_id, claim.rollout.rollout_id
+
+    def call(i: int, model: str = "policy") -> Call:
+        return Call(
+            call_id=f"c{i:03d}",
+            attempt_id=aid,
+            rollout_id=rid,
+            seq=i,
+            model=model,
+            prompt_ids=[i, i + 1],
+            completion_ids=[2**31 - 1 - i],
+            logprobs=[-1.0 / (i + 3)],
+            started_at=1000.0 + i,
+        )
+
+    await store.record_calls([call(0, "stored-first")])
+    await store.record_calls([call(i) for i in range(250)] + [call(7, "repeated")])
+    calls = (await store.get_rollout(rid)).attempts[0].calls
+    assert [c.call_id for c in calls] == [f"c{i:03d}" for i in range(250)]
+    assert calls[0].model == "stored-first" and calls[7].model == "policy"
+    assert all(c == call(c.seq) for c in calls[1:])
+
+
+# -- durable stores (SQLite, PostgreSQL): a reopen keeps everything ------------------------------------------------
+async def test_reopen_keeps_everything(durable: Durable) -> None:
+    store = durable.open()
+    await store.enqueue([{"q": 1}, {"q": 2}], n=1, group_ids=["g1", "g2"])
+    claim = await store.claim("w", lease_s=60)
+    assert claim is not None
+    await store.set_meta("ckpt", {"step": 1})
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(StoreUnavailableError):
+        await store.counts()
+
+    again = durable.open()
+    try:
+        assert await again.attempt_by_token(claim.attempt.token) == claim.attempt
+        assert await again.get_meta("ckpt") == {"step": 1}
+        assert (await again.counts())["running"] == 1
+        await again.finish_attempt(claim.attempt.attempt_id, AttemptStatus.FAILED, "x")
+        found = await again.attempt_by_token(claim.attempt.token)
+        assert found is not None and found.status is AttemptStatus.FAILED
+        groups = await again.enqueue([{"q": 1}], group_ids=["g1"])  # idempotent across the reopen
+        assert groups[0].task == {"q": 1}
+        assert (await again.counts())["queued"] == 1
+    finally:
+        await again.close()

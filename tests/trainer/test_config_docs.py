@@ -79,3 +79,14 @@ def test_config_errors_name_the_valid_values(tmp_path: Path, overrides: dict[str
     with pytest.raises(ConfigError) as info:
         load_train_config(_write(tmp_path), overrides)
     assert message in str(info.value)
+
+
+def test_store_url_names_the_runs_store(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert load_train_config(_write(tmp_path)).store.spec(run_dir) == str(run_dir / "store.db")
+    url = "postgresql://trainer@db.internal:5432/lightning"
+    assert load_train_config(_write(tmp_path, f'[store]\nurl = "{url}"\n')).store.spec(run_dir) == url
+    relative = load_train_config(_write(tmp_path), {"store.url": "shared/store.db"})
+    assert relative.store.spec(run_dir) == str(tmp_path / "shared" / "store.db")  # relative to the config's folder
+    with pytest.raises(ConfigError, match=r"store\.path"):
+        load_train_config(_write(tmp_path, '[store]\npath = "x"\n'))

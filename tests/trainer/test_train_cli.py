@@ -125,6 +125,7 @@ def test_the_rl_workers_go_on_generating_during_a_target_check(tmp_path: Path, s
     # train rollouts went on succeeding while the check ran (stopped workers would have released them before it)
     assert during >= 1
     assert summary["eval_after"]["split"] == "eval-check-1"  # the checked weights are the run's result
+    assert summary["rl"]["stop"]["reason"] == "target" and summary["stopped_short"] is None
 
 
 def _split_times(db: Path, split: str) -> tuple[float, float]:
@@ -301,6 +302,18 @@ async def test_daemon_serves_external_workers(tmp_path: Path, small_policy: Path
         elif line.startswith("admin key: "):
             key = line.split(": ", 1)[1].strip()
     store = open_store(url + "/lightning/v1/store", admin_key=key)
+    # the run viewer on the daemon, behind the admin key: a bearer header, or ?key= once (a cookie, then redirected)
+    import httpx
+
+    ui = url + "/lightning/v1/ui"
+    async with httpx.AsyncClient(timeout=30, follow_redirects=True) as http:
+        assert (await http.get(ui + "/api/overview")).status_code == 401
+        overview = await http.get(ui + "/api/overview", headers={"Authorization": f"Bearer {key}"})
+        assert overview.status_code == 200 and overview.json()["run_dir"] == str(out)
+        login = await http.get(ui + "/rollouts", params={"key": key, "status": "queued"})
+        assert login.status_code == 200 and login.url.path == "/lightning/v1/ui/rollouts"
+        assert "key" not in login.url.params and login.url.params["status"] == "queued"
+        assert 'href="/lightning/v1/ui/static/viewer.css"' in login.text  # links stay under the mount
     agent = load_agent(f"{EXAMPLE / 'agent.py'}:agent")
     pool = WorkerPool(agent, store, url, n_workers=4, split="train", poll_s=0.05)
     worker = asyncio.create_task(pool.run_until(lambda: proc.returncode is not None))

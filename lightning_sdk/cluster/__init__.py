@@ -1,0 +1,13 @@
+"""The job placed on a Ray cluster (``[cluster] ray = ADDRESS``, ``lightning-sdk daemon --ray ADDRESS``).
+
+    driver (the daemon: store, proxy, training loop, embedded learner; verl's ranks are Ray actors of their own)
+      ├── engine actors   (``[cluster] engines``, each needing ``engine_resource``: where the GPUs are)
+      └── worker actors   (``[cluster] workers``, each running ``worker_concurrency`` agent workers, CPU nodes)
+
+Every actor is restarted by Ray when it dies (``max_restarts``). Ray is imported only here and only when a cluster
+is configured: the single-process default never imports it (docs/scale-out.md, "Placed by Ray").
+"""
+
+from lightning_sdk.cluster.placement import ClusterRun, RayEngine, connect
+
+__all__ = ["ClusterRun", "RayEngine", "connect"]

@@ -1,0 +1,121 @@
+"""``lightning-sdk daemon --ray ADDRESS`` on a real multi-node Ray cluster on this machine (marker ``ray_cluster``).
+
+The cluster: a head (2 CPUs) and two nodes with a custom ``gpu_like`` resource standing in for a GPU (1 CPU each),
+each a ``ray start`` process of its own (tests/support/ray_cluster.py). The daemon (a subprocess: SQLite store,
+proxy, training loop, embedded learner) places its engine as a Ray actor on a ``gpu_like`` node and two worker
+actors running the calc example's agent. After the first step, the node that hosts the engine is killed (SIGKILL of
+its raylet and workers: a machine failing). Ray restarts the engine on the other ``gpu_like`` node, the calls it
+was serving are re-sent with the served weights, the attempts of any worker on that node lose their lease and are
+retried, and the run finishes: every step trained, no group or attempt trained twice, every trained call intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_sdk.store import SQLiteStore, run_sync
+from lightning_sdk.types import AttemptStatus
+from tests.support.ray_cluster import RayCluster
+from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
+
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(420)]
+
+STEPS = 4
+
+
+def _wait(what: str, ready: object, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():  # type: ignore[operator]
+        assert proc.poll() is None, f"the daemon exited while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def _steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+
+
+def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    policy = build_small_policy(tmp_path / "policy", hidden=32, layers=2)
+    config = write_config(
+        tmp_path / "daemon.toml",
+        str(policy),
+        warm_start={"enabled": False},
+        rl={"steps": STEPS, "tasks_per_step": 2, "samples_per_task": 2, "max_tokens": 16, "drop_zero_variance": False,
+            "max_staleness": 2},
+        cluster={"engine_resource": "gpu_like", "engine_cpus": 0, "engine_threads": 1, "workers": 2,
+                 "worker_concurrency": 4, "worker_cpus": 1, "lease_s": 8, "max_attempts": 4},
+    )  # fmt: skip
+    run = tmp_path / "run"
+    log = tmp_path / "daemon.log"
+    with RayCluster(tmp_path, head_cpus=2) as cluster:
+        nodes = [cluster.add_node(num_cpus=1, resources={"gpu_like": 1}) for _ in range(2)]
+        cluster.wait_for_nodes(3)
+        t_cluster = time.monotonic() - t0
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", CLI, "daemon", "--config", str(config), "--output", str(run),
+                 "--ray", cluster.address],
+                cwd=str(ROOT), env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            _wait("the first step", lambda: _steps(run) >= 1, proc, log, timeout=240)
+            placed = json.loads((run / "cluster.json").read_text())["parts"]
+            engine = next(p for p in placed if p["part"] == "engine-0")
+            host = next(n for n in nodes if engine["pid"] in n.pids())  # the node whose raylet runs the engine
+            t_kill = time.monotonic()
+            killed = cluster.kill_node(host)
+            assert engine["pid"] in killed
+            proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        wall = time.monotonic() - t0
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS
+    events = summary["cluster"]["engine_events"]
+    restarted = [e for e in events if e["event"] == "restarted"]
+    assert restarted and restarted[0]["old_pid"] == engine["pid"] and restarted[0]["pid"] != engine["pid"]
+    assert restarted[0]["node_id"] != engine["node_id"]  # moved to the other gpu_like node
+    print(
+        f"\ncluster up {t_cluster:.0f} s; run {wall - t_cluster:.0f} s after it; killed {host.name} "
+        f"({len(killed)} processes) {t_kill - t0:.0f} s in; engine events {events}; "
+        f"re-sent calls {summary['cluster']['engine_resent_calls']}; workers {summary['cluster']['workers']}"
+    )
+
+    # nothing lost, nothing twice: each trained group consumed once, by one step; each trained rollout has exactly
+    # one succeeded attempt, and that attempt's calls are whole (ids and log-probs of equal length, seq 0..n-1)
+    with sqlite3.connect(run / "store.db") as conn:
+        consumed = dict(conn.execute("SELECT group_id, consumed_step FROM groups WHERE consumed_step IS NOT NULL"))
+    store = SQLiteStore(run / "store.db")
+    try:
+        groups, _ = run_sync(store.list_group_details(split="train", limit=1000))
+    finally:
+        run_sync(store.close())
+    trained = [g for g in groups if g.group.group_id in consumed]
+    assert len({consumed[g.group.group_id] for g in trained}) == STEPS
+    cut_off = 0
+    for g in trained:
+        for detail in g.rollouts:
+            ok = [a for a in detail.attempts if a.attempt.status is AttemptStatus.SUCCEEDED]
+            assert len(ok) <= 1, f"rollout {detail.rollout.rollout_id} has {len(ok)} succeeded attempts"
+            cut_off += sum(1 for a in detail.attempts if a.attempt.status is AttemptStatus.TIMED_OUT)
+            for a in ok:
+                assert [c.seq for c in a.calls] == list(range(len(a.calls))) and a.calls
+                for c in a.calls:
+                    assert c.error is None and c.prompt_ids and len(c.completion_ids) == len(c.logprobs) > 0
+    print(f"trained groups {len(trained)}; attempts cut off by the kill and retried: {cut_off}")

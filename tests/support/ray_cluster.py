@@ -1,0 +1,165 @@
+"""A real multi-node Ray cluster on this machine, for the ``ray_cluster`` tests: a head and extra nodes, each a
+``ray start ... --block`` process of its own (its raylet and workers are its descendants), on ports and a temp
+directory of the cluster's own, so several clusters (or another test's Ray) can run side by side.
+
+::
+
+    with RayCluster(tmp) as cluster:                       # the head: ray start --head --port FREE ...
+        gpu = cluster.add_node(num_cpus=2, resources={"gpu_like": 1})
+        cluster.wait_for_nodes(2)
+        ... ray.init(address=cluster.address) or lightning-sdk daemon --ray ADDRESS ...
+        cluster.kill_node(gpu)                             # SIGKILL that node's raylet and workers
+    # on exit: every process of every node is killed (only this cluster's: by process tree), the temp dir removed
+
+``kill_node`` is what a machine failure looks like to Ray: the raylet and its workers vanish without a word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tests.support.servers import free_port
+
+__all__ = ["RayCluster", "RayNode"]
+
+RAY = str(Path(sys.executable).with_name("ray"))
+#: a dead node is noticed within a few seconds instead of Ray's default ~30 s
+SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
+
+
+@dataclass
+class RayNode:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def pids(self) -> set[int]:
+        """The node's processes now: ``ray start`` and every descendant (raylet, workers, actors)."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            return {root.pid, *(p.pid for p in root.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            return set()
+
+
+class RayCluster:
+    """See the module docstring."""
+
+    def __init__(self, base: Path, *, head_cpus: int = 1, head_resources: dict[str, float] | None = None) -> None:
+        self.temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+        self.base = base
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[RayNode] = []
+        self._head_cpus = head_cpus
+        self._head_resources = head_resources or {}
+
+    def __enter__(self) -> RayCluster:
+        try:
+            self._start(
+                "head",
+                [
+                    "--head",
+                    f"--port={self.port}",
+                    f"--temp-dir={self.temp}",
+                    "--include-dashboard=false",
+                    f"--system-config={json.dumps(SYSTEM_CONFIG)}",
+                ],
+                self._head_cpus,
+                self._head_resources,
+            )
+            self.wait_for_nodes(1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def add_node(self, *, num_cpus: int, resources: dict[str, float] | None = None) -> RayNode:
+        return self._start(f"node{len(self.nodes)}", [f"--address={self.address}"], num_cpus, resources or {})
+
+    def _start(self, name: str, args: list[str], num_cpus: int, resources: dict[str, float]) -> RayNode:
+        ports = [free_port() for _ in range(7)]
+        low = 20000 + (ports[0] % 400) * 100
+        cmd = [
+            RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}",
+            f"--node-manager-port={ports[0]}", f"--object-manager-port={ports[1]}",
+            f"--metrics-export-port={ports[2]}", f"--dashboard-agent-listen-port={ports[3]}",
+            f"--dashboard-agent-grpc-port={ports[4]}", f"--runtime-env-agent-port={ports[5]}",
+            f"--min-worker-port={low}", f"--max-worker-port={low + 99}",
+            "--object-store-memory=100000000", *args,
+        ]  # fmt: skip
+        if name == "head":
+            cmd.append(f"--ray-client-server-port={ports[6]}")
+        log = self.base / f"ray-{name}.log"
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        with log.open("wb") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        node = RayNode(name, proc, log)
+        self.nodes.append(node)
+        return node
+
+    def alive_nodes(self) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _COUNT_NODES, self.address], capture_output=True, text=True, timeout=60
+        )
+        found = re.search(r"^alive nodes: (\d+)$", out.stdout, re.M)  # Ray may print its own lines around it
+        return int(found.group(1)) if out.returncode == 0 and found else 0
+
+    def wait_for_nodes(self, n: int, timeout: float = 120.0) -> None:
+        """Wait until ``n`` nodes are alive in the cluster (a bounded wait on Ray's own view)."""
+        deadline = time.monotonic() + timeout
+        while self.alive_nodes() < n:
+            for node in self.nodes:
+                if node.proc.poll() is not None:
+                    raise AssertionError(f"ray node {node.name} exited:\n{node.log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fewer than {n} Ray nodes alive after {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def kill_node(self, node: RayNode) -> set[int]:
+        """SIGKILL every process of ``node`` (a machine failing); answers the pids killed."""
+        pids = node.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.proc.wait(timeout=10)
+        return pids
+
+    def stop(self) -> None:
+        """Kill this cluster's processes only (node by node, newest first), then remove its temp dir."""
+        for node in reversed(self.nodes):
+            pids = node.pids()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+                time.sleep(0.1)
+            self.kill_node(node)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+_COUNT_NODES = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+print("alive nodes:", sum(1 for n in ray.nodes() if n["Alive"]), flush=True)
+"""
