@@ -1,14 +1,26 @@
-"""The embedded learner's step with and without the shared prompt computed once per group (``share_prefix``).
+"""The embedded learner's step on a real run's batches, each of its speed settings as a ratio against the current
+default, in one run.
 
-    python benchmarks/learner_step.py --run-dir RUN [--steps 6] [--groups 9] [--repeats 2]
+    python benchmarks/learner_step.py --run-dir RUN [--steps 4] [--groups 20] [--repeats 2] [--modes a,b,...]
+        [--ppo-epochs 2] [--keep-zero-variance]
 
 Takes the finished RL groups of a real run (``RUN/store.db``, e.g. a ``lightning-sdk train examples/calc_agent`` run
 directory) and its model (``RUN/model``), builds the trainer's records for batches of ``--groups`` groups that taught
-something (as a step does), and times ``Learner.step`` on the same batches with ``share_prefix = 0`` (every row
-computed whole) and the default (the rows of a group share their prompt's forward pass). Prints seconds per step,
-tokens through the model per step, the ratio, and the largest difference in loss between the two (they compute the
-same update). Each mode starts from the same weights and optimizer state; modes alternate per repeat so that the
-machine's load hits both alike.
+something (as a step does; ``--keep-zero-variance`` keeps the others too, with advantage 0, for a run with few
+informative groups: the same rows and shapes), and times ``Learner.step`` on the same batches under each mode with the
+main job's learner settings (two PPO passes, temperature 0.6, 4,096-token micro-batches). Modes (each starts from
+the same weights and optimizer state; modes alternate per repeat, each in a fresh thread, so that the machine's load
+hits them alike and torch's per-thread settings do not leak):
+
+- ``whole``: every row computed whole (``share_prefix = 0``);
+- ``separate``: the shared prompt, pi_old from a separate no-grad pass (the code before ``reuse_first_pass``);
+- ``default``: ``LearnerConfig()``'s defaults;
+- ``bf16``: the defaults with ``precision = "bf16"`` (autocast);
+- ``t1`` / ``t2``: the defaults with ``threads = 1`` / ``2``; ``bf16t1``: bf16 on one thread.
+
+Prints seconds per step and the ratio against ``separate`` (the code before this round), tokens through the model,
+and for each mode the largest loss difference and the relative difference of the whole update (the weights' change
+over all steps) against ``separate``: an exact change should be ~1e-6, bf16 within the tolerance the tests state.
 """
 
 from __future__ import annotations
@@ -19,8 +31,10 @@ import copy
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,11 +42,22 @@ from lightning_sdk.policy.model import load_policy
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.records.record import Record
 from lightning_sdk.store import load_groups, open_store
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, train_batch
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, cpu_has_bf16, train_batch
 from lightning_sdk.types import FinishedGroup
 
+MODES: dict[str, dict[str, Any]] = {
+    "whole": {"share_prefix": 0, "reuse_first_pass": False, "precision": "fp32"},
+    "separate": {"reuse_first_pass": False, "precision": "fp32"},
+    "default": {},
+    "bf16": {"precision": "bf16"},
+    "t1": {"threads": 1},
+    "t2": {"threads": 2},
+    "bf16t1": {"precision": "bf16", "threads": 1},
+}
+BEFORE = "separate"
 
-def batches(run_dir: Path, steps: int, groups: int) -> list[list[Record]]:
+
+def batches(run_dir: Path, steps: int, groups: int, keep_zero_variance: bool) -> list[list[Record]]:
     async def load() -> list[FinishedGroup]:
         store = open_store(run_dir / "store.db")
         try:
@@ -41,24 +66,39 @@ def batches(run_dir: Path, steps: int, groups: int) -> list[list[Record]]:
             await store.close()
 
     finished = asyncio.run(load())
-    config = RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
+    config = RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=not keep_zero_variance))
     out: list[list[Record]] = []
-    for start in range(0, len(finished), groups):
-        records = build_records(finished[start : start + groups], config).records
-        if records:
-            out.append(records)
+    taught: list[FinishedGroup] = []
+    for group in finished:
+        if build_records([group], config).records:
+            taught.append(group)
+        if len(taught) == groups:
+            out.append(build_records(taught, config).records)
+            taught = []
         if len(out) == steps:
             break
     if not out:
-        sys.exit(f"no trained records in {run_dir / 'store.db'}")
+        sys.exit(f"fewer than {groups} groups that taught something in {run_dir / 'store.db'}")
     return out
 
 
-def time_mode(model: torch.nn.Module, config: LearnerConfig, work: list[list[Record]]) -> tuple[float, list[float]]:
+def in_thread(fn: Any) -> Any:
+    """Run ``fn()`` in a fresh thread (torch's thread count is per thread) and return its result."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def time_mode(
+    model: torch.nn.Module, config: LearnerConfig, work: list[list[Record]]
+) -> tuple[float, list[float], dict[str, torch.Tensor]]:
     learner = Learner(copy.deepcopy(model), config)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     losses = [learner.step(records)["loss"] for records in work]
-    return (time.perf_counter() - t0) / len(work), losses
+    seconds = (time.perf_counter() - t0) / len(work)
+    return seconds, losses, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
 
 def model_tokens(config: LearnerConfig, model: torch.nn.Module, records: list[Record]) -> int:
@@ -71,36 +111,66 @@ def model_tokens(config: LearnerConfig, model: torch.nn.Module, records: list[Re
     return total
 
 
+def update_difference(start: dict[str, torch.Tensor], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """|(b - start) - (a - start)| / |a - start| over all weights: how far update b is from update a."""
+    num = sum(float(((b[k] - a[k]).double() ** 2).sum()) for k in start if start[k].is_floating_point())
+    den = sum(float(((a[k] - start[k]).double() ** 2).sum()) for k in start if start[k].is_floating_point())
+    return (num / max(den, 1e-30)) ** 0.5
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=6, help="learner steps per mode and repeat")
-    parser.add_argument("--groups", type=int, default=9, help="groups per step (groups that taught something)")
+    parser.add_argument("--steps", type=int, default=4, help="learner steps per mode and repeat")
+    parser.add_argument("--groups", type=int, default=20, help="groups per step (groups that taught something)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default="whole,separate,default,bf16,t1,t2", help=f"of {', '.join(MODES)}")
+    parser.add_argument("--ppo-epochs", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    parser.add_argument("--keep-zero-variance", action="store_true")
     args = parser.parse_args()
-    work = batches(args.run_dir, args.steps, args.groups)
+    names = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        sys.exit(f"unknown modes {unknown}; valid: {', '.join(MODES)}")
+    if BEFORE not in names:
+        names.insert(0, BEFORE)
+    work = batches(args.run_dir, args.steps, args.groups, args.keep_zero_variance)
     model, _ = load_policy(args.run_dir / "model")
-    base = {"lr": 1e-4, "warmup_steps": 5, "micro_batch_tokens": args.micro_batch_tokens}
-    modes = {"whole rows": LearnerConfig(share_prefix=0, **base), "shared prompt": LearnerConfig(**base)}
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    base = {
+        "lr": 1e-4,
+        "warmup_steps": 5,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "ppo_epochs": args.ppo_epochs,
+        "temperature": 0.6,
+    }
+    modes = {name: LearnerConfig(**{**base, **MODES[name]}) for name in names}
     times: dict[str, list[float]] = {name: [] for name in modes}
     losses: dict[str, list[float]] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for name, config in modes.items():
-            seconds, losses[name] = time_mode(model, config, work)
+            seconds, losses[name], weights[name] = in_thread(lambda c=config: time_mode(model, c, work))
             times[name].append(seconds)
+        load.append(os.getloadavg()[0])
     rows = sum(len(r) for r in work) / len(work)
     print(
-        f"{len(work)} steps of {rows:.0f} rows ({args.groups} groups) from {args.run_dir}; torch threads "
-        f"{torch.get_num_threads()}; load {os.getloadavg()[0]:.2f}"
+        f"{len(work)} steps of {rows:.0f} rows ({args.groups} groups, ppo_epochs {args.ppo_epochs}) from "
+        f"{args.run_dir}; torch threads {torch.get_num_threads()}; cpu bf16: {cpu_has_bf16()}; load "
+        f"{min(load):.1f}-{max(load):.1f}; {args.repeats} repeats alternated, medians"
     )
-    baseline = statistics.median(times["whole rows"])
+    before = statistics.median(times[BEFORE])
     for name, config in modes.items():
         tokens = statistics.mean(model_tokens(config, model, r) for r in work)
         median = statistics.median(times[name])
-        print(f"  {name:14s} {median:6.2f} s/step  {tokens:7.0f} tokens through the model  {baseline / median:5.2f}x")
-    diff = max(abs(a - b) for a, b in zip(losses["whole rows"], losses["shared prompt"], strict=True))
-    print(f"  largest loss difference between the modes over {len(work)} steps: {diff:.2e}")
+        loss_diff = max(abs(a - b) for a, b in zip(losses[BEFORE], losses[name], strict=True))
+        upd = update_difference(start, weights[BEFORE], weights[name])
+        print(
+            f"  {name:9s} {median:6.2f} s/step  {before / median:5.2f}x vs {BEFORE}  {tokens:6.0f} tokens/step  "
+            f"loss diff {loss_diff:.1e}  update diff {upd:.1e}  (all: {', '.join(f'{t:.2f}' for t in times[name])})"
+        )
 
 
 if __name__ == "__main__":

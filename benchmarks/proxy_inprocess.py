@@ -21,6 +21,11 @@ call observer, the recorder's counters) and off (``ProxyConfig(metrics=False)``)
 the ratio of the medians::
 
     python benchmarks/proxy_inprocess.py --compare-metrics --rounds 4
+
+``--compare-telemetry`` alternates rounds with OTLP span export on (the ``SpanObserver`` on the call pipeline and
+the SDK's OTLP/HTTP exporter sending to a loopback sink in this process) and off (no observer, the default)::
+
+    python benchmarks/proxy_inprocess.py --compare-telemetry --rounds 4 --calls 10000
 """
 
 from __future__ import annotations
@@ -112,7 +117,13 @@ async def _asgi(app: Any, method: str, path: str, body: bytes, headers: list[tup
 
 
 async def measure(
-    calls: int, rounds: int, concurrency: int, record: bool, reply: bytes, metrics: bool = True
+    calls: int,
+    rounds: int,
+    concurrency: int,
+    record: bool,
+    reply: bytes,
+    metrics: bool = True,
+    telemetry_url: str | None = None,
 ) -> list[Round]:
     from lightning_sdk.proxy import PassthroughBackend, ProxyConfig, create_app
     from lightning_sdk.store import SQLiteStore
@@ -131,7 +142,17 @@ async def measure(
         return _Canned(reply)
 
     backend._pool.send = send  # type: ignore[method-assign,assignment]
-    app = create_app(store, policy_backend=backend, admin_key="bench", config=ProxyConfig(metrics=metrics))
+    observers: list[Any] = []
+    tel: Any = None
+    if telemetry_url is not None:
+        from lightning_sdk.telemetry import Telemetry, TelemetryConfig
+        from lightning_sdk.telemetry.observer import SpanObserver
+
+        tel = Telemetry(TelemetryConfig(otlp=telemetry_url, protocol="http/protobuf"))
+        observers.append(SpanObserver(tel))
+    app = create_app(
+        store, policy_backend=backend, admin_key="bench", config=ProxyConfig(metrics=metrics), observers=observers
+    )
     proxy = app.state.proxy
     life_in: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     life_out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -195,6 +216,8 @@ async def measure(
         await life
     if record:
         assert proxy.recorder.written_calls >= calls * rounds, proxy.recorder.written_calls
+    if tel is not None:
+        tel.shutdown()
     return out
 
 
@@ -204,6 +227,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--compare-metrics", action="store_true", help="metrics on vs off, rounds alternated")
+    parser.add_argument(
+        "--compare-telemetry", action="store_true", help="OTLP span export on vs off, rounds alternated"
+    )
     args = parser.parse_args()
     import sys
 
@@ -222,6 +248,9 @@ def main() -> None:
 
     if args.compare_metrics:
         compare_metrics(args, reply)
+        return
+    if args.compare_telemetry:
+        compare_telemetry(args, reply)
         return
     results = {}
     for record in (True, False):
@@ -272,6 +301,61 @@ def compare_metrics(args: argparse.Namespace, reply: bytes) -> None:
     on_, off = med[True], med[False]
     print(
         f"\nmetrics on / off (medians): event loop {on_.main_us / off.main_us:.3f}x, process "
+        f"{on_.process_us / off.process_us:.3f}x, wall {on_.wall_us / off.wall_us:.3f}x"
+    )
+
+
+def _otlp_sink() -> tuple[str, Any]:
+    """A loopback OTLP/HTTP endpoint that reads each export and answers 200 (on a thread of this process: its CPU
+    counts in "process us", not in the event loop's)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Sink(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def compare_telemetry(args: argparse.Namespace, reply: bytes) -> None:
+    """Alternate one round with span export on (``SpanObserver`` + the OTLP/HTTP exporter to a loopback sink) and
+    one with it off (no observer: the default), ``--rounds`` times; print the medians."""
+    import os
+
+    url, sink = _otlp_sink()
+    rounds: dict[bool, list[Round]] = {True: [], False: []}
+    load = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        for on in (True, False):
+            got = asyncio.run(measure(args.calls, 1, args.concurrency, True, reply, telemetry_url=url if on else None))
+            rounds[on] += got
+        load.append(os.getloadavg()[0])
+    sink.shutdown()
+    print(
+        f"\nthe proxy's own CPU per call with and without OTLP span export ({args.rounds} alternated rounds of "
+        f"{args.calls:,} calls each at concurrency {args.concurrency}; load average {min(load):.2f}-{max(load):.2f})\n"
+    )
+    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
+    print(head)
+    print("-" * len(head))
+    med = {}
+    for on, label in ((True, "telemetry on"), (False, "telemetry off")):
+        rs = rounds[on]
+        med[on] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
+        m = med[on]
+        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
+    on_, off = med[True], med[False]
+    print(
+        f"\ntelemetry on / off (medians): event loop {on_.main_us / off.main_us:.3f}x, process "
         f"{on_.process_us / off.process_us:.3f}x, wall {on_.wall_us / off.wall_us:.3f}x"
     )
 

@@ -116,7 +116,7 @@ def minimal_forwarder(kind: str, upstream: str, port: int) -> None:
     reply sent back unchanged (no parsing, no recording) — what a Python proxy costs before it does anything.
 
     ``asgi``: a raw ASGI app on the proxy's own server set-up (uvicorn, uvloop, httptools) and its pooled client
-    (``proxy/http1.py``); ``aiohttp``: an aiohttp web server with one pooled ``aiohttp.ClientSession``.
+    (``lightning_sdk/http1.py``); ``aiohttp``: an aiohttp web server with one pooled ``aiohttp.ClientSession``.
     """
     if kind == "aiohttp":
         from aiohttp import web
@@ -146,7 +146,7 @@ def minimal_forwarder(kind: str, upstream: str, port: int) -> None:
         web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
         return
 
-    from lightning_sdk.proxy.http1 import Http1Pool
+    from lightning_sdk.http1 import Http1Pool
     from lightning_sdk.proxy.serve import serve
 
     pool = Http1Pool(upstream)

@@ -13,7 +13,7 @@ drawn under another base)::
      ├── AuthError                missing or unknown attempt token or admin key (HTTP 401)
      ├── AttemptNotRunningError   the attempt is no longer running (HTTP 409)
      ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/503/504)
-     │    ├── Http1Error          the HTTP/1.1 client's upstream connection failed (``http1``)
+     │    ├── Http1Error          the HTTP/1.1 client's upstream connection failed (lightning_sdk/http1.py)
      │    │    ├── Http1ConnectError     could not connect (502)
      │    │    ├── Http1ReadTimeout      no answer in time (504)
      │    │    └── Http1ProtocolError    the answer broke HTTP/1.1

@@ -12,8 +12,8 @@ import re
 import lightning_sdk
 import lightning_sdk.errors as errors
 from lightning_sdk.errors import LightningSDKError, RunStopped, SandboxError, TrainerError, UpstreamError
+from lightning_sdk.http1 import Http1ConnectError, Http1ReadTimeout
 from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
-from lightning_sdk.proxy.http1 import Http1ConnectError, Http1ReadTimeout
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:

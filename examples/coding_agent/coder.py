@@ -15,6 +15,7 @@ printed is ``{"submitted": true|false, "turns": N}``. Run by hand against any Op
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -90,9 +91,16 @@ def run_bash(cmd: str, timeout: float, budget: int, prefix: list[str]) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
         note = f"\n(exit {proc.returncode})" if proc.returncode else ""
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    except subprocess.TimeoutExpired as exc:
+        with contextlib.suppress(ProcessLookupError):  # the group may be gone, its escapees not
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, _ = proc.communicate(timeout=1)
+        except subprocess.TimeoutExpired:  # a process that left the group (setsid) holds the output open
+            out = exc.output or b""
+            if proc.stdout is not None:
+                proc.stdout.close()
+            proc.wait()
         note = f"\n(killed after {timeout:g} s)"
     text = out.decode(errors="replace").rstrip("\n")
     if len(text) > budget:

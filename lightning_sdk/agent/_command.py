@@ -351,6 +351,8 @@ class CommandAgent:
 
     async def _run_attempt(self, ctx: AttemptContext, timeout: float | None, box: Sandbox | None) -> AttemptOutcome:
         extra = {"LIGHTNING_SDK_ATTEMPT_ID": ctx.attempt_id, "LIGHTNING_SDK_ROLLOUT_ID": ctx.rollout_id}
+        # the attempt's trace context for an instrumented program (the OpenTelemetry environment-variable carrier)
+        extra["TRACEPARENT"] = ctx.traceparent
         if ctx.server_url:
             extra["LIGHTNING_SDK_REWARD_URL"] = f"{ctx.server_url}/lightning/v1/reward"
         try:

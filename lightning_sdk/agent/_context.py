@@ -62,8 +62,16 @@ class AttemptContext:
     llm: LLM
     server_url: str | None = None  # the proxy/daemon root (no /v1), for the reward endpoint of command agents
     rewards: list[EmittedReward] = field(default_factory=list)
+
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _closed: bool = field(default=False, repr=False)
+
+    @property
+    def traceparent(self) -> str:
+        """The W3C ``traceparent`` of this attempt's trace (send it as a header to join the trace by hand)."""
+        from lightning_sdk.telemetry.ids import traceparent
+
+        return traceparent(self.attempt_id)
 
     def add_reward(self, reward: EmittedReward) -> None:
         with self._lock:
@@ -112,7 +120,31 @@ def context_for(ctx: AttemptContext) -> contextvars.Context:
     """A copy of the caller's context with ``ctx`` current: run the agent (or a task) inside it."""
     context = contextvars.copy_context()
     context.run(_current.set, ctx)
+    context.run(_join_trace, ctx.attempt_id)
     return context
+
+
+def _join_trace(attempt_id: str) -> None:
+    """Make the attempt's span the current OpenTelemetry span of the agent's context (when the OpenTelemetry API
+    is installed), so a harness that is instrumented itself (LangChain, the OpenAI Agents SDK with an OTel
+    processor) starts its spans inside the attempt's trace: the trace the proxy's call spans are in (W3C trace
+    context; the ids come from ``lightning_sdk.telemetry.ids``). Without the API: nothing to join, nothing done."""
+    try:
+        from opentelemetry import context as otel_context
+        from opentelemetry import trace
+    except ImportError:
+        return
+    from lightning_sdk.telemetry.ids import attempt_span_id, attempt_trace_id
+
+    span = trace.NonRecordingSpan(
+        trace.SpanContext(
+            attempt_trace_id(attempt_id),
+            attempt_span_id(attempt_id),
+            is_remote=True,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+        )
+    )
+    otel_context.attach(trace.set_span_in_context(span))
 
 
 def current_attempt() -> AttemptContext | None:

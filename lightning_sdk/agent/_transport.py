@@ -3,7 +3,7 @@
 httpx's own transport (httpcore) costs far more CPU per request than anything else an in-process agent worker does:
 measured on this 2-core machine against a trivial loopback server, ~750 us of client CPU a request one at a time and
 ~2,000 us at concurrency 64 (httpcore walks every pooled connection, polling its socket, on each request; aiohttp
-~100-140 us, ``proxy/http1.py``'s pool 22-37 us). In the main job 64 workers make every LLM call and every reward
+~100-140 us, ``http1.py``'s pool 22-37 us). In the main job 64 workers make every LLM call and every reward
 and finish through httpx: that was ~40% of the event loop's CPU, on the two cores the engine and the learner need.
 
 ``Http1Transport`` keeps httpx's API (``httpx.AsyncClient(transport=Http1Transport())``, and so any SDK built on
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from lightning_sdk.proxy.http1 import (
+from lightning_sdk.http1 import (
     Http1ConnectError,
     Http1Error,
     Http1Pool,

@@ -18,6 +18,7 @@ another. Both jobs warm-start the same way (``app/warmup.py``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -39,6 +40,7 @@ from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.policy.prepare import prepare_policy
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store import open_store
+from lightning_sdk.telemetry import open_telemetry
 from lightning_sdk.trainer.checkpoint import load_checkpoint
 from lightning_sdk.trainer.config import EvalConfig, RLConfig, TrainConfig
 from lightning_sdk.trainer.data import Tasks, load_tasks
@@ -161,6 +163,7 @@ async def open_job(
                 ops = OpsMetrics()  # GET /metrics: the proxy's calls and recorder, the loop's steps, the served version
                 ops.served_version_from(lambda: parts.engine.policy_version)
                 loop.ops = ops
+                loop.telemetry = telemetry = open_telemetry(config.telemetry)  # None unless [telemetry] / OTEL_* set
                 await server.start(
                     store,
                     parts.engine,
@@ -169,6 +172,7 @@ async def open_job(
                     sampling=sampling,
                     metrics=ops,
                     run_dir=out,
+                    telemetry=telemetry,
                 )
                 logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
                 (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
@@ -181,6 +185,8 @@ async def open_job(
             finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest
                 await loop.flush_weights()
                 await server.stop()
+                if loop.telemetry is not None:  # export what is queued (the SDK's thread; bounded by its timeout)
+                    await asyncio.to_thread(loop.telemetry.shutdown)
                 await parts.close()
                 await store.close()
         finally:

@@ -60,11 +60,12 @@ from lightning_sdk.errors import RunStopped
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
 from lightning_sdk.store import AttemptEnds, Store
+from lightning_sdk.telemetry import StepSpan, Telemetry
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.config import RLConfig
 from lightning_sdk.trainer.sampling import TaskSampler
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
-from lightning_sdk.types import PolicyVersion
+from lightning_sdk.types import FinishedGroup, PolicyVersion
 
 if TYPE_CHECKING:
     from lightning_sdk.app.parts import LearnerLike, Parts, ServingEngine
@@ -236,6 +237,7 @@ class TrainingLoop:
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
         self.ops: OpsMetrics | None = None  # the job's Prometheus metrics (learner, staleness, publication)
+        self.telemetry: Telemetry | None = None  # the job's span exporter ([telemetry]; None: off)
 
     @classmethod
     def configured(
@@ -349,6 +351,7 @@ class TrainingLoop:
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
         clock = StepClock(self.engine)
+        wall_start = time.time()  # the step span's clock (telemetry)
         with clock.phase("wait_s"):
             taken, _ = await self._take_groups(stop)
         if len(taken.fresh) < self.tasks_per_step:
@@ -363,8 +366,11 @@ class TrainingLoop:
         new_version = self.version + 1 if built.records else self.version
         with clock.phase("save_s"):
             await self._checkpoint(step, new_version, taken)
+        wall_publish, published = time.time(), new_version != self.version
         with clock.phase("publish_s"):
             await self._publish_version(new_version)
+        if self.telemetry is not None:
+            self._step_spans(step, built, taken.fresh, metrics, staleness, wall_start, wall_publish, published)
         self.learner_busy_s += clock.seconds["learner_s"]
         self.dropped_total += len(taken.stale)
         if self.ops is not None:
@@ -445,6 +451,41 @@ class TrainingLoop:
             metrics=metrics,
             fresh_outcomes=new_outcomes,
         )
+
+    def _step_spans(
+        self,
+        step: int,
+        built: BuildResult,
+        fresh: list[FinishedGroup],
+        metrics: dict[str, float],
+        staleness: list[int],
+        wall_start: float,
+        wall_publish: float,
+        published: bool,
+    ) -> None:
+        """The step's span (linked to the attempts it trained) and its weight publication's (telemetry on)."""
+        assert self.telemetry is not None
+        trained = [r.attempt_id for r in built.reports if r.trained and r.attempt_id is not None]
+        advantages = [a for rec in built.records if isinstance(a := rec.scalar_advantage(), float)]
+        loss = metrics.get("loss")
+        parent = self.telemetry.training_step(
+            StepSpan(
+                step=step,
+                version=self.version,
+                attempt_ids=trained,
+                started_at=wall_start,
+                ended_at=wall_publish,
+                loss=float(loss) if loss is not None else None,
+                advantages=advantages,
+                records=len(built.records),
+                groups=len(fresh),
+                staleness_mean=sum(staleness) / max(1, len(staleness)),
+            )
+        )
+        if published:
+            self.telemetry.publication(
+                parent, step=step, version=self.version, started_at=wall_publish, ended_at=time.time()
+            )
 
     def _publish(self, weights: Any, version: int) -> None:
         """Hand new weights to the engine without waiting: the swap waits for the engine's running batch, and the

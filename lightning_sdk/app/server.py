@@ -22,6 +22,7 @@ from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store.base import Store
+from lightning_sdk.telemetry import Telemetry
 from lightning_sdk.types import Resource
 
 __all__ = ["UI_PATH", "ProxyServer", "bind_socket", "free_port"]
@@ -87,10 +88,11 @@ class ProxyServer:
         model_name: str = "policy",
         metrics: OpsMetrics | None = None,
         run_dir: Path | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         """Serve the proxy (token mode over ``engine``, ``sampling`` per split; ``metrics`` at ``GET /metrics``)
         and publish it as a resource; with ``run_dir``, the run viewer at ``/lightning/v1/ui`` too (behind the
-        admin key)."""
+        admin key); ``telemetry``: the proxy's call and attempt spans."""
         from lightning_sdk.proxy import create_app
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
@@ -104,7 +106,14 @@ class ProxyServer:
 
             viewer = create_viewer_app(RunData(run_dir, store, tokenizer=tokenizer), admin_key=admin_key)
             extra.append(Mount(UI_PATH, app=viewer))
-        app = create_app(store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra)
+        observers = []
+        if telemetry is not None:
+            from lightning_sdk.telemetry.observer import SpanObserver
+
+            observers.append(SpanObserver(telemetry))
+        app = create_app(
+            store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra, observers=observers
+        )
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
         server, task = self._server, self._task

@@ -29,7 +29,9 @@ from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.app.warmup import run_warm_start
+from lightning_sdk.trainer.balance import ThreadBalance
 from lightning_sdk.trainer.config import TrainConfig
+from lightning_sdk.trainer.learner import Learner
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 
 __all__ = ["NO_EVAL", "run_training"]
@@ -94,7 +96,24 @@ async def run_training(
                 else None
             )
 
+            # the learner's share of the cores, chosen from the first steps' measures (trainer/balance.py)
+            learner = loop.learner if isinstance(loop.learner, Learner) else None
+            balance = (
+                ThreadBalance()
+                if learner is not None and learner.config.balance_threads and learner.config.threads is None
+                else None
+            )
+            if balance is not None and learner is not None:
+                _set_threads(learner, balance.next_threads())
+
             def on_step(report: StepReport) -> None:
+                if balance is not None and learner is not None:
+                    used = learner.config.threads or 0
+                    tokens = float(report.metrics.get("tokens", 0.0))
+                    if balance.observe(used, report.learner_s, tokens, report.tokens_per_s, report.generated_tokens):
+                        rates = ", ".join(f"{k} thread(s) {v:.0f}" for k, v in balance.rates().items())
+                        note(f"learner threads: {balance.chosen} (pipeline rate, trained tokens/s: {rates})")
+                    _set_threads(learner, balance.next_threads())
                 if target is not None:
                     target.observe_step(report.fresh_outcomes)
                 row = report.as_dict()
@@ -135,6 +154,8 @@ async def run_training(
             "checks": done.checks,
             "stop": done.stop,
         }
+        if balance is not None:
+            state["balance"] = balance.as_dict()
         job.mark("rl_end_s")
 
         if heldout and "eval_after" not in state:
@@ -161,6 +182,7 @@ async def run_training(
         "rl": state.get("rl"),
         "dropped_stale_groups": loop.dropped_total,
         "reward_curve": str(curve) if curve else None,
+        "balance": state.get("balance"),
         "stopped_short": (state.get("rl") or {}).get("stop", {}).get("message") if _short(state) else None,
         "resumed": job.resumed,
         "timeline": timeline,
@@ -188,3 +210,8 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _short(state: dict[str, Any]) -> bool:
     """Whether RL ended with a target it did not meet (``rl.stop.short``)."""
     return bool((state.get("rl") or {}).get("stop", {}).get("short"))
+
+
+def _set_threads(learner: Learner, threads: int) -> None:
+    """The learner's intra-op threads from its next step on (it sets them in the thread its step runs in)."""
+    learner.config = learner.config.model_copy(update={"threads": threads})

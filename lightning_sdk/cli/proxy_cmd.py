@@ -189,11 +189,25 @@ def proxy(
         call_timeout_s=timeout,
         read_timeout_s=read_timeout,
     )
-    application = create_app(the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True)
+    from lightning_sdk.telemetry import open_telemetry
+    from lightning_sdk.telemetry.observer import SpanObserver
+
+    try:
+        telemetry = open_telemetry()  # OTEL_EXPORTER_OTLP_ENDPOINT / _PROTOCOL; None (off) when unset
+    except LightningSDKError as exc:
+        raise _fail(str(exc)) from None
+    observers = [SpanObserver(telemetry)] if telemetry is not None else []
+    application = create_app(
+        the_store, policy_backend=backend, admin_key=admin, config=config, close_store=True, observers=observers
+    )
     retok = f", retokenizing text-only replies with {tokenizer}" if renderer is not None else ""
     typer.echo(f"tracing proxy on http://{host}:{port}/v1 -> {shown_upstream} (store: {redact_url(store)}){retok}")
     typer.echo("calls get 503 + Retry-After until the upstream answers (state: GET /lightning/v1/health)")
     typer.echo(
         f"open a session: POST http://{host}:{port}/lightning/v1/sessions with 'Authorization: Bearer <admin key>'"
     )
-    serve(application, host=host, port=port)
+    try:
+        serve(application, host=host, port=port)
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # export the spans still queued

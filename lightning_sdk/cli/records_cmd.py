@@ -70,7 +70,10 @@ async def _run(
 @app.command("records")
 def records(
     store: str = typer.Option(
-        ..., "--store", help="The store: a SQLite file path, a postgresql://USER@HOST/DB URL or a daemon's store URL."
+        ...,
+        "--store",
+        help="The store: a SQLite file path, a postgresql://USER@HOST/DB URL, or a daemon's URL (http://HOST:PORT, "
+        "or its store's http://HOST:PORT/lightning/v1/store; with --admin-key).",
     ),
     out: Path = typer.Option(..., "--out", help="Output file: JSONL, or Parquet when it ends in .parquet."),
     tokenizer: Path | None = typer.Option(

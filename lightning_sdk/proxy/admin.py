@@ -40,13 +40,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from lightning_sdk.errors import ConfigError, LightningSDKError
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.http_errors import bearer_token
-from lightning_sdk.proxy.errors import ProxyHTTPError, error_response, from_sdk_error
+from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.types import AttemptStatus, Call, Reward, Rollout, RolloutDetail, RolloutStatus
 
 if TYPE_CHECKING:
-    from lightning_sdk.proxy.app import Proxy
+    from lightning_sdk.proxy.service import Proxy
 
 __all__ = ["TRACED_SPLIT", "admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
 
@@ -104,7 +104,10 @@ def rollout_detail_json(d: RolloutDetail) -> dict[str, Any]:
 
 
 def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseRoute]:
-    """The routes; ``token_routes_only`` gives just reward and finish (mounted again under ``/t/<token>``)."""
+    """The routes; ``token_routes_only`` gives just reward and finish (mounted again under ``/t/<token>``).
+
+    A route raises the library's exceptions (``ProxyHTTPError`` for a refusal): the app's exception handler
+    answers them (``proxy/app.py``)."""
 
     def check_admin(request: Request) -> None:
         given = bearer_token(request.headers) or ""
@@ -123,17 +126,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, "body: must be a JSON object", param="body")
         return data
 
-    def handler(fn: Any) -> Any:
-        async def wrapped(request: Request) -> Response:
-            try:
-                result: Response = await fn(request)
-                return result
-            except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
-                return error_response(from_sdk_error(exc))
-
-        return wrapped
-
-    @handler
     async def reward(request: Request) -> Response:
         data = await body_object(request)
         value = data.get("value")
@@ -158,7 +150,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
                     "header of one of its chat/completions responses)",
                     param="call_id",
                 )
-            await proxy.recorder.add_reward(
+            await proxy.add_reward(
                 Reward(rollout_id=a.rollout_id, attempt_id=a.attempt_id, value=float(value), name=name, call_id=call_id)
             )
         finally:
@@ -173,7 +165,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             out["call_id"] = call_id
         return _ok(out)
 
-    @handler
     async def finish(request: Request) -> Response:
         data = await body_object(request)
         status = data.get("status")
@@ -185,7 +176,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
         state = await proxy.attempts.resolve(proxy.token_of(request))
         return _ok(await proxy.end_attempt(state, AttemptStatus(status), error))
 
-    @handler
     async def attempt_calls(request: Request) -> Response:
         state = await proxy.attempts.resolve(proxy.token_of(request))
         wait_s = proxy.config.finish_timeout_s
@@ -204,7 +194,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             }
         )
 
-    @handler
     async def sessions(request: Request) -> Response:
         check_admin(request)
         data = await body_object(request)
@@ -234,7 +223,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             }
         )
 
-    @handler
     async def list_rollouts(request: Request) -> Response:
         check_admin(request)
         q = request.query_params
@@ -256,7 +244,6 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
             raise ProxyHTTPError(400, f"after: {exc}", param="after") from exc
         return _ok({"rollouts": [rollout_json(r) for r in rollouts], "next": cursor})
 
-    @handler
     async def get_rollout(request: Request) -> Response:
         check_admin(request)
         detail = await proxy.store.get_rollout(request.path_params["rollout_id"])

@@ -13,9 +13,14 @@ methods are async generators that yield OpenAI chunk objects (dicts, or ``bytes`
 forwarded as is) and yield the call's ``ChatResult`` as their **last** item. A streamed call's ``ChatResult`` must be
 exactly what the same call would return unstreamed (apart from response ``id``/``created``).
 
-A backend that never calls ``ctx.earlier_calls()`` may say so with a class attribute ``reads_earlier_calls =
-False``: the proxy then keeps an attempt's finished calls in memory only once something else asks for them
-(``proxy/attempts.py``).
+A backend subclasses ``PolicyBackend`` and overrides the optional members whose defaults do not fit it:
+``mode`` (``"token"`` or ``"passthrough"``: what observers are told); ``reads_earlier_calls`` (False for a backend
+that never calls ``ctx.earlier_calls()``: the proxy then keeps an attempt's finished calls in memory only once
+something else asks for them, ``proxy/attempts.py``); ``prompt_renderer()`` (the policy's chat renderer when the
+backend has one: ``/v1/messages/count_tokens`` counts with it); ``start()`` (called once when the app starts) and
+``upstream_state()`` (what ``GET /lightning/v1/health`` says about the upstream). A streaming method that knows the
+prompt's length before its first chunk (token mode renders it; a passthrough engine's first chunk carries the
+prompt's ids) sets ``ctx.prompt_tokens`` before yielding it: the Messages stream's ``message_start`` reports it.
 
 Failures are raised as ``UpstreamError`` (``status_code`` 502 or 504) or ``UpstreamHTTPError`` (the engine refused
 the request, e.g. 400 context too long: its status and OpenAI error body are passed to the agent).
@@ -28,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from lightning_sdk.errors import UpstreamError
+from lightning_sdk.proxy.observe import Mode
+from lightning_sdk.tokens import ChatRenderer
 from lightning_sdk.types import Attempt, Call, TokenSource
 
 __all__ = [
@@ -41,11 +48,20 @@ __all__ = [
 
 
 class UpstreamHTTPError(UpstreamError):
-    """The engine answered with an HTTP error that is the request's fault (4xx): passed on to the agent as is."""
+    """The engine answered with an HTTP error that is the request's fault (4xx, or 429 with its ``Retry-After``):
+    passed on to the agent with its status (``proxy.call.upstream_refusal``)."""
 
-    def __init__(self, message: str, *, status_code: int, payload: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        payload: dict[str, Any] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message, status_code=status_code)
         self.payload = payload
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -91,6 +107,7 @@ class CallContext:
     model: str
     policy_version: int | None = None
     split: str | None = None  # the attempt's rollout split (None: not known yet); chooses per-split sampling
+    prompt_tokens: int | None = None  # set by a streaming backend that knows the prompt's length before its 1st chunk
     _earlier: Callable[[], Awaitable[list[Call]]] | None = None
 
     async def earlier_calls(self) -> list[Call]:
@@ -124,7 +141,13 @@ async def relay_items(
 
 @runtime_checkable
 class PolicyBackend(Protocol):
-    """Serves the policy model's OpenAI requests (see the module docstring for the contract)."""
+    """Serves the policy model's OpenAI requests (see the module docstring for the contract).
+
+    Backends subclass it: the optional members below have their defaults here.
+    """
+
+    mode: Mode = "passthrough"
+    reads_earlier_calls: bool = True
 
     async def chat(self, body: dict[str, Any], ctx: CallContext) -> ChatResult:
         """``POST /v1/chat/completions`` without streaming."""
@@ -149,3 +172,15 @@ class PolicyBackend(Protocol):
     async def aclose(self) -> None:
         """Release connections; called once when the app shuts down."""
         ...
+
+    async def start(self) -> None:
+        """Called once when the app starts (e.g. the passthrough's watch for an upstream that is not up yet)."""
+        return None
+
+    def upstream_state(self) -> dict[str, Any] | None:
+        """What the health route says about the upstream (None: nothing)."""
+        return None
+
+    def prompt_renderer(self) -> ChatRenderer | None:
+        """The policy's chat renderer, when this backend has it (``/v1/messages/count_tokens`` counts with it)."""
+        return None

@@ -5,7 +5,7 @@ and per-choice ``token_ids``; see ``proxy/shapes.py``); fields the agent did not
 receives. An engine that returns text only still works: its calls are recorded without ids and flagged in
 ``checks`` (``missing_token_ids``) so they are never trained silently.
 
-Connections are kept alive in an ``Http1Pool`` (``proxy/http1.py``; measured here: half of aiohttp's CPU per
+Connections are kept alive in an ``Http1Pool`` (``lightning_sdk/http1.py``; measured here: half of aiohttp's CPU per
 request, a fifth of httpx's).
 Failures before the first byte reaches the agent are retried, one level, by ``lightning_sdk._retry`` (connection
 errors, 429, 5xx, a reply cut off mid-body: at most ``max_retries + 1`` POSTs per call); then the agent gets an
@@ -30,8 +30,8 @@ import orjson
 
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import UpstreamError
-from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
+from lightning_sdk.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
+from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
 from lightning_sdk.proxy.shapes import (
     ChatStreamAssembler,
     CompletionStreamAssembler,
@@ -89,7 +89,7 @@ def split_credentials(url: str) -> tuple[str, str | None]:
     return clean, "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
-class PassthroughBackend:
+class PassthroughBackend(PolicyBackend):
     """A ``PolicyBackend`` that forwards to one OpenAI-compatible engine (see the module docstring).
 
     Credentials in the upstream URL (``http://user:pass@host/v1``) are sent as basic auth and never appear in
@@ -205,7 +205,7 @@ class PassthroughBackend:
         if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
             await self._check_ready()
         asm = ChatStreamAssembler()
-        async for item in self._stream("/chat/completions", body, asm):
+        async for item in self._stream("/chat/completions", body, asm, ctx):
             yield item
         full = asm.response()
         yield self._result(body, full, _read(chat_tokens, full), ctx)
@@ -214,7 +214,7 @@ class PassthroughBackend:
         if self._state != "ready":  # checked here: no coroutine per call once the upstream is up
             await self._check_ready()
         asm = CompletionStreamAssembler()
-        async for item in self._stream("/completions", body, asm):
+        async for item in self._stream("/completions", body, asm, ctx):
             yield item
         full = asm.response()
         yield self._result(body, full, _read(completion_tokens, full), ctx)
@@ -288,7 +288,15 @@ class PassthroughBackend:
         url = self.base + path
         try:
             return await retry(once, policy=self._retry, retry_if=_retryable, what=f"upstream POST {url}")
-        except (Http1Error, TransientAnswer) as exc:
+        except TransientAnswer as exc:
+            if isinstance(exc.answer, UpstreamHTTPError):  # a rate limit: relayed as it is (429, Retry-After)
+                raise exc.answer from exc
+            raise UpstreamError(
+                f"upstream {url} failed after {self._retry.retries + 1} attempts; "
+                f"last error: {type(exc).__name__}: {exc}",
+                status_code=502,
+            ) from exc
+        except Http1Error as exc:
             raise UpstreamError(
                 f"upstream {url} failed after {self._retry.retries + 1} attempts; "
                 f"last error: {type(exc).__name__}: {exc}",
@@ -309,6 +317,14 @@ class PassthroughBackend:
         except Http1Error:
             resp.close()
             raise
+        if resp.status == 429:  # retried; when the tries are spent the agent gets this 429 with its Retry-After
+            limited = UpstreamHTTPError(
+                f"upstream answered 429: {raw[:300].decode(errors='replace')}",
+                status_code=429,
+                payload=_error_payload(raw),
+                retry_after_s=_retry_after(resp.headers),
+            )
+            raise TransientAnswer(limited, f"HTTP 429: {raw[:300].decode(errors='replace')}")
         if resp.status in _RETRY_STATUS:
             raise TransientAnswer(raw, f"HTTP {resp.status}: {raw[:300].decode(errors='replace')}")
         raise UpstreamHTTPError(
@@ -316,7 +332,11 @@ class PassthroughBackend:
         )
 
     async def _stream(
-        self, path: str, body: dict[str, Any], asm: ChatStreamAssembler | CompletionStreamAssembler
+        self,
+        path: str,
+        body: dict[str, Any],
+        asm: ChatStreamAssembler | CompletionStreamAssembler,
+        ctx: CallContext,
     ) -> AsyncIterator[StreamItem]:
         keep_ids = bool(body.get("return_token_ids"))
         keep_lps = bool(body.get("logprobs")) or body.get("logprobs") == 0
@@ -351,6 +371,8 @@ class PassthroughBackend:
                     raise UpstreamError(
                         f"upstream stream chunk is malformed: {type(exc).__name__}: {exc}", status_code=502
                     ) from exc
+                if ctx.prompt_tokens is None:  # the engine's first chunk carries the prompt's ids (or its usage)
+                    ctx.prompt_tokens = _prompt_length(chunk)
                 if not chunk.get("choices") and chunk.get("usage") is not None and not keep_usage:
                     continue
                 if strip_engine_fields(chunk, keep_ids=keep_ids, keep_logprobs=keep_lps):
@@ -432,6 +454,33 @@ async def _sse_payloads(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     tail = bytes(buf).strip()
     if tail.startswith(b"data:"):
         yield tail[5:].lstrip()
+
+
+def _prompt_length(chunk: dict[str, Any]) -> int | None:
+    """The prompt's length from a stream chunk: its ``prompt_token_ids`` (vLLM's first chunk, top level or in the
+    first choice for text completions) or its usage's ``prompt_tokens``."""
+    ids = chunk.get("prompt_token_ids")
+    if ids is None:
+        choices = chunk.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        ids = first.get("prompt_token_ids") if isinstance(first, dict) else None
+    if isinstance(ids, list):
+        return len(ids)
+    usage = chunk.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
+
+
+def _retry_after(headers: list[tuple[bytes, bytes]]) -> float | None:
+    """An answer's ``Retry-After`` in seconds (the delta-seconds form; an HTTP date or nonsense: None)."""
+    for name, value in headers:
+        if name.lower() == b"retry-after":
+            try:
+                seconds = float(value)
+            except ValueError:
+                return None
+            return seconds if 0 <= seconds < 1e9 else None
+    return None
 
 
 def _error_payload(raw: bytes) -> dict[str, Any] | None:

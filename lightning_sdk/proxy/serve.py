@@ -6,6 +6,7 @@ import asyncio
 import gc
 import importlib.util
 import logging
+import re
 from typing import Any
 
 import uvicorn
@@ -82,6 +83,14 @@ def _error_reply(status: str, message: str, kind: str) -> bytes:
     return head + b"content-length: %d\r\n\r\n" % len(body) + body
 
 
+_REQUEST_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+ [^ ]+ HTTP/[0-9]\.[0-9]")
+"""An HTTP/1.x request line: method, target, version (RFC 9112 section 3)."""
+
+_NO_VERSION = _error_reply(
+    "400 Bad Request",
+    "invalid HTTP request line: expected METHOD TARGET HTTP/1.1",
+    "invalid_request_error",
+)
 _TIMED_OUT = _error_reply("408 Request Timeout", "incomplete request", "timeout_error")
 _HEAD_TOO_LARGE = _error_reply(
     "431 Request Header Fields Too Large",
@@ -102,7 +111,10 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
     response goes out with its headers and (first) body in one write (``_CorkedWrites``).
 
     A request whose line and headers go over ``MAX_HEAD_BYTES`` gets 431 and the connection is closed; a request
-    that cannot be parsed gets uvicorn's 400, in the OpenAI error shape like every other refusal of the proxy.
+    that cannot be parsed gets uvicorn's 400, in the OpenAI error shape like every other refusal of the proxy. A
+    request line without an HTTP version (``GET /path``, HTTP/0.9 style), or an empty line as a connection's first
+    bytes, gets 400 and the close as soon as the line is complete (the parser would wait for more until the read
+    timeout); one empty line after a request is ignored, as RFC 9112 asks (some clients send a CRLF after a body).
     """
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -113,6 +125,10 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
         _last_byte = 0.0  # loop time of the last bytes received
         _in_head = False  # between a request's first byte and the end of its headers
         _head_bytes = 0  # bytes received while in the head (counted per received chunk, after parsing it)
+        _awaiting_line = True  # the next bytes start a request line (checked here before the parser sees them)
+        _line = b""  # what arrived of that line so far
+        _unchecked = False  # the parser got bytes after a request's end that this check has not seen
+        _served = 0  # requests completed on this connection
 
         def _tick(self) -> None:
             """One timer per connection, run every ``timeout_s`` at most (not armed and cancelled per request):
@@ -151,7 +167,28 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
             self._last_byte = self.loop.time()
             self._header_timer = self.loop.call_later(timeout_s, self._tick)
 
+        def _check_request_line(self, data: bytes) -> bool:
+            """Whether the request line starting here is one the parser can finish (else: 400 sent, closing)."""
+            line = self._line + data
+            if self._served and line.startswith((b"\r\n", b"\n")):  # one empty line after a request: ignored
+                line = line[2:] if line.startswith(b"\r\n") else line[1:]
+            end = line.find(b"\n")
+            if end < 0:
+                self._line = line[:MAX_HEAD_BYTES]
+                return True
+            self._awaiting_line, self._line = False, b""
+            if _REQUEST_LINE.fullmatch(line[:end].rstrip(b"\r")):
+                return True
+            logger.debug("refusing a request line without an HTTP version: %r", line[:80])
+            if self._corked is not None:
+                self._corked.flush()
+            self.transport.write(_NO_VERSION)
+            self.transport.close()
+            return False
+
         def on_message_begin(self) -> None:
+            if self._unchecked:  # a pipelined request began in bytes the line check did not see: the parser's
+                self._awaiting_line, self._line = False, b""
             self._reading = True
             self._in_head = True
             self._head_bytes = 0
@@ -159,7 +196,11 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
 
         def data_received(self, data: bytes) -> None:
             self._last_byte = self.loop.time()
+            self._unchecked = False
+            if self._awaiting_line and not self._check_request_line(data):
+                return
             super().data_received(data)
+            self._unchecked = False
             if self._in_head:  # this chunk ended inside a request's head: count it (a chunk is at most 256 KB)
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
@@ -187,6 +228,8 @@ def header_timeout_protocol(timeout_s: float) -> type[Any]:
 
         def on_message_complete(self) -> None:
             self._reading = False
+            self._served += 1
+            self._awaiting_line, self._line, self._unchecked = True, b"", True
             super().on_message_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -30,6 +30,7 @@ from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Samp
 from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
 from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
+from lightning_sdk.proxy.observe import Mode
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.tokens import (
     ChatRenderer,
@@ -118,8 +119,10 @@ def check_token_mode_request(body: dict[str, Any], *, response_format: bool, top
 
 
 def context_length_error(n_prompt: int, max_model_len: int, max_tokens: int | None = None) -> ProxyHTTPError:
-    """The 400 ``context_length_exceeded`` of a prompt that leaves no room to generate (vLLM's answer)."""
-    asked = f", and {max_tokens} in the completion" if max_tokens else ""
+    """The 400 ``context_length_exceeded`` of a prompt that leaves no room to generate (vLLM's answer), quoting
+    the real numbers: the prompt's length and the completion budget the request asked for (``max_tokens``; None:
+    it asked for none, and the message says the prompt leaves no room rather than quote a default)."""
+    asked = f", and {max_tokens} in the completion" if max_tokens else ", which leaves no room for a completion"
     return ProxyHTTPError(
         400,
         f"This model's maximum context length is {max_model_len} tokens. However, your messages resulted in "
@@ -129,13 +132,14 @@ def context_length_error(n_prompt: int, max_model_len: int, max_tokens: int | No
     )
 
 
-def fit_max_tokens(n_prompt: int, requested: int, max_model_len: int | None) -> int:
-    """``requested`` clipped to what the context leaves after ``n_prompt`` (400 when nothing is left)."""
+def fit_max_tokens(n_prompt: int, requested: int, max_model_len: int | None, asked: int | None = None) -> int:
+    """``requested`` clipped to what the context leaves after ``n_prompt`` (400 when nothing is left; ``asked``:
+    what the request itself asked for, quoted in that error)."""
     if max_model_len is None:
         return requested
     room = max_model_len - n_prompt
     if room < 1:
-        raise context_length_error(n_prompt, max_model_len, requested)
+        raise context_length_error(n_prompt, max_model_len, asked)
     return min(requested, room)
 
 
@@ -221,11 +225,16 @@ class _Received:
             self.version = piece.policy_version
 
 
-class TokenModeBackend:
+class TokenModeBackend(PolicyBackend):
     """A ``PolicyBackend`` over a token-in/token-out ``Engine`` (see the module docstring).
 
     The engine is not closed by ``aclose``: whoever built it (the trainer, the daemon) owns it.
     """
+
+    mode: Mode = "token"
+
+    def prompt_renderer(self) -> ChatRenderer | None:
+        return self.renderer
 
     def __init__(
         self,
@@ -282,9 +291,9 @@ class TokenModeBackend:
     def _sampling(self, body: dict[str, Any], n_prompt: int, ctx: CallContext) -> Sampling:
         """The request's sampling, with the rule of the call's split applied (``TokenModeConfig.sampling``)."""
         stop = body.get("stop")
-        requested = body.get("max_completion_tokens") or body.get("max_tokens") or self.config.default_max_tokens
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
         fields: dict[str, Any] = {
-            "max_tokens": fit_max_tokens(n_prompt, requested, self.max_model_len),
+            "max_tokens": fit_max_tokens(n_prompt, asked or self.config.default_max_tokens, self.max_model_len, asked),
             "stop": [stop] if isinstance(stop, str) else list(stop or []),
             "stop_token_ids": sorted(self.renderer.stop_token_ids),
         }
@@ -405,6 +414,7 @@ class TokenModeBackend:
     async def chat_stream(self, body: dict[str, Any], ctx: CallContext) -> AsyncIterator[StreamItem]:
         prompt, forced = await self._render(body, ctx)
         sampling = self._sampling(body, len(prompt.prompt_ids), ctx)
+        ctx.prompt_tokens = len(prompt.prompt_ids)  # known before the first token (Messages' message_start)
         rid, created, model = _chat_id(), int(time.time()), body["model"]
         want_lps = bool(body.get("logprobs"))
         parser = self._parser_for(body)
@@ -509,6 +519,7 @@ class TokenModeBackend:
         self._check(body)
         prompt = self._completion_prompt(body)
         sampling = self._sampling(body, len(prompt.prompt_ids), ctx)
+        ctx.prompt_tokens = len(prompt.prompt_ids)
         rid, created, model = _completion_id(), int(time.time()), body["model"]
         sent = ""
         got = _Received()
@@ -544,7 +555,7 @@ class TokenModeBackend:
         return None
 
 
-class RetokenizingBackend:
+class RetokenizingBackend(PolicyBackend):
     """Wraps a ``PolicyBackend`` whose engine may answer without token ids (see the module docstring)."""
 
     def __init__(
@@ -621,13 +632,13 @@ class RetokenizingBackend:
         return await self.inner.models()
 
     async def start(self) -> None:
-        start = getattr(self.inner, "start", None)
-        if callable(start):
-            await start()
+        await self.inner.start()
+
+    def prompt_renderer(self) -> ChatRenderer | None:
+        return self.renderer
 
     def upstream_state(self) -> dict[str, Any] | None:
-        state = getattr(self.inner, "upstream_state", None)
-        return state() if callable(state) else None
+        return self.inner.upstream_state()
 
     async def aclose(self) -> None:
         await self.inner.aclose()

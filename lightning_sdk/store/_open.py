@@ -28,12 +28,27 @@ def redact_url(spec: str | Path) -> str:
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
+STORE_PATH = "/lightning/v1/store"
+
+
+def store_url(url: str) -> str:
+    """The store's URL from a daemon's or proxy's root URL (``http://HOST:PORT`` -> ``http://HOST:PORT/lightning/v1/
+    store``) or from ``.../lightning/v1``; a URL already ending in ``/lightning/v1/store`` (or another path: a store
+    mounted elsewhere) is kept."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if path in ("", "/lightning/v1", "/lightning"):
+        path = STORE_PATH
+    return parts._replace(path=path).geturl()
+
+
 def open_store(spec: str | Path, *, admin_key: str | None = None, timeout: float = 30.0, retries: int = 5) -> Store:
     """The store named by ``spec``.
 
     - ``"memory"``: a new ``MemoryStore``;
     - ``"http://..."`` / ``"https://..."``: an ``HTTPStore`` for the store served at that URL (the daemon's is
-      ``http://HOST:PORT/lightning/v1/store``), authorised by ``admin_key`` or ``$LIGHTNING_SDK_ADMIN_KEY``;
+      ``http://HOST:PORT/lightning/v1/store``; its root URL ``http://HOST:PORT`` means the same), authorised by
+      ``admin_key`` or ``$LIGHTNING_SDK_ADMIN_KEY``;
     - ``"postgresql://user[:password]@host[:port]/db"`` (or ``postgres://``; any libpq URL, e.g. ``?sslmode=require``):
       a ``PostgresStore`` on that database, which many processes share (the ``postgres`` extra: psycopg 3);
     - anything else: the path of a ``SQLiteStore`` file (created if missing).
@@ -47,7 +62,7 @@ def open_store(spec: str | Path, *, admin_key: str | None = None, timeout: float
         key = admin_key or os.environ.get(ADMIN_KEY_ENV)
         if not key:
             raise ConfigError(f"store {text}: an admin key is needed (pass admin_key or set ${ADMIN_KEY_ENV})")
-        return HTTPStore(text, key, timeout=timeout, retries=retries)
+        return HTTPStore(store_url(text), key, timeout=timeout, retries=retries)
     if text.startswith(("postgresql://", "postgres://")):
         try:
             from lightning_sdk.store.postgres import PostgresStore

@@ -7,7 +7,7 @@ ends agree by construction. Bodies are JSON written and read with orjson; errors
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
@@ -87,14 +87,20 @@ class OpenSessionRequest(_Wire):
     split: str = "train"
 
 
+MAX_LEASE_S = 86_400.0
+"""The longest lease a claim or heartbeat may ask for (one day): past it, 400 (a lease that never expires would keep
+a dead worker's attempt running for ever)."""
+LeaseSeconds = Annotated[float, Field(gt=0, le=MAX_LEASE_S, allow_inf_nan=False)]
+
+
 class ClaimRequest(_Wire):
     worker_id: str
-    lease_s: float = 60.0
+    lease_s: LeaseSeconds = 60.0
     split: str | None = None
 
 
 class HeartbeatRequest(_Wire):
-    lease_s: float = 60.0
+    lease_s: LeaseSeconds = 60.0
 
 
 class FinishRequest(_Wire):

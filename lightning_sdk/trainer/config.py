@@ -25,6 +25,7 @@ from lightning_sdk.engines.serving import ENGINE_KINDS, EngineConfig
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
+from lightning_sdk.telemetry.config import TelemetryConfig
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
 
@@ -247,6 +248,7 @@ class TrainConfig(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     host: str = Field("127.0.0.1", description="the proxy's bind address")
     port: int = Field(0, ge=0, le=65535, description="the proxy's port (0: a free one)")
     threads: int | None = Field(None, description="torch intra-op threads (default: torch's choice)")

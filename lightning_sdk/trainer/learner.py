@@ -20,12 +20,14 @@ gradients are clipped by norm; AdamW with linear warmup (one scheduler step per 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -36,7 +38,7 @@ from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
 
-__all__ = ["Learner", "LearnerConfig", "TrainBatch", "token_logprobs", "train_batch"]
+__all__ = ["Learner", "LearnerConfig", "TrainBatch", "cpu_has_bf16", "token_logprobs", "train_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,23 @@ class LearnerConfig(BaseModel):
         ge=1,
         description="torch intra-op threads of the thread a step runs in (torch keeps them per thread; default: "
         "the process's, all cores)",
+    )
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32",
+        description="the forward passes' compute dtype: bf16 autocasts them to bfloat16 (weights, gradients, optimizer "
+        "and the loss's log-softmax stay fp32); auto: bf16 where the CPU has AVX-512 BF16 or AMX (cpu_has_bf16), else "
+        "fp32",
+    )
+    reuse_first_pass: bool = Field(
+        True,
+        description="with several updates per step and one mini-batch, pi_old is the first update's own forward pass "
+        "(it runs on the step's starting weights) instead of a separate no-grad pass over the batch: the same values, "
+        "one pass fewer per step",
+    )
+    balance_threads: bool = Field(
+        True,
+        description="lightning-sdk train, threads unset: the first RL steps try the learner's step on 1 thread and on "
+        "all cores and keep the one that ran the job faster (trainer/balance.py; printed and in summary.json)",
     )
     share_prefix: int = Field(
         32,
@@ -152,6 +171,17 @@ def _logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: tor
     return torch.cat([head.logits.expand(rows, -1, -1), tail.logits], dim=1)
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this machine's CPU computes bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
+    flags, and torch's oneDNN built with bf16): where ``precision = "auto"`` picks bf16."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    words = set(flags.split())
+    return bool(words & {"avx512_bf16", "amx_bf16"}) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Learner:
     """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
@@ -176,6 +206,14 @@ class Learner:
             for p in self.reference.parameters():
                 p.requires_grad_(False)
         self.steps = 0
+        precision = self.config.precision
+        self.bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cpu" and cpu_has_bf16())
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward passes' autocast (bf16 when ``precision`` says so; else nothing)."""
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW moments and warmup (after the warm start changed the weights outside this learner)."""
@@ -222,11 +260,21 @@ class Learner:
         self.model.train()
         # pi_old: the policy at the start of the step. With one update it is the update's own forward pass
         # (detached); with several it is computed once up front, so later updates have a ratio to clip.
-        old = None if cfg.ppo_epochs * cfg.mini_batches == 1 else self._logprobs(batch)
+        # With one mini-batch the first update's forward pass runs on those weights: it gives pi_old for the later
+        # updates (reuse_first_pass), with no pass of its own.
+        several = cfg.ppo_epochs * cfg.mini_batches > 1
+        reuse = several and cfg.reuse_first_pass and cfg.mini_batches == 1
+        old = self._logprobs(batch) if several and not reuse else None
+        keep = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1) if reuse else None
         slices = _row_slices(batch.input_ids.shape[0], cfg.mini_batches)
         # each slice's micro-batches (and shared prefixes) once, for every epoch
         plans = [(rows, self._pieces(batch.input_ids[rows], batch.attention_mask[rows])) for rows in slices]
-        updates = [self._update(batch, rows, pieces, old) for _ in range(cfg.ppo_epochs) for rows, pieces in plans]
+        updates = []
+        for _ in range(cfg.ppo_epochs):
+            for rows, pieces in plans:
+                updates.append(self._update(batch, rows, pieces, old, keep))
+                if keep is not None:
+                    old, keep = keep, None
         self.scheduler.step()
         self.steps += 1
         out = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "tokens"}
@@ -254,9 +302,10 @@ class Learner:
             attn = batch.attention_mask[rows]
             width = int(attn.sum(-1).max().item())
             ids = batch.input_ids[rows][:, :width].to(self.device)
-            logp, _ = token_logprobs(
-                self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix
-            )
+            with self._autocast():
+                logp, _ = token_logprobs(
+                    self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix
+                )
             out[rows, : width - 1] = logp.float().cpu()
         return out
 
@@ -266,8 +315,10 @@ class Learner:
         subset: list[int],
         pieces: list[tuple[list[int], int]],
         old_all: torch.Tensor | None,
+        keep: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """One optimizer update on the rows ``subset`` of ``batch`` (gradients accumulated over micro-batches)."""
+        """One optimizer update on the rows ``subset`` of ``batch`` (gradients accumulated over micro-batches);
+        ``keep`` (rows of the whole batch) gets this update's detached log-probs, pi_old of the updates after it."""
         cfg = self.config
         n_tokens = float(batch.loss_mask[subset][:, 1:].sum().item())
         if n_tokens == 0:  # a mini-batch of rows with no trained token: nothing to update
@@ -284,13 +335,16 @@ class Learner:
             mask = batch.loss_mask[rows][:, 1:width].to(self.device).float()
             rollout_lp = batch.logprobs[rows][:, 1:width].to(self.device).float()
             adv = batch.advantages[rows][:, 1:width].to(self.device).float()
-            logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature, prefix=prefix)
+            with self._autocast():
+                logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature, prefix=prefix)
             old = logp.detach() if old_all is None else old_all[rows][:, : width - 1].to(self.device)
+            if keep is not None:
+                keep[rows, : width - 1] = logp.detach().float().cpu()
             is_weight = torch.clamp(torch.exp(old - rollout_lp), max=cfg.tis_cap) * mask
             per_token, metrics = self.loss_fn(old, logp, adv, mask, self.loss_settings)
             per_token = per_token * is_weight
             if self.reference is not None:
-                with torch.no_grad():
+                with torch.no_grad(), self._autocast():
                     ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.temperature, prefix=prefix)
                 log_r = ref_lp - logp
                 kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, non-negative

@@ -40,7 +40,6 @@ from starlette.routing import Mount, Route
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.proxy.sampling import SplitSampling
-from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES
 from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
 from lightning_sdk.tokens import ChatRenderer
 from tests.support.mock_openai import MockOpenAI, encode, render_prompt
@@ -121,7 +120,7 @@ def _routes(app: Any) -> list[tuple[str, str]]:
                 out.extend((m, prefix + r.path) for m in sorted(r.methods or {"GET"}) if m != "HEAD")
 
     walk(list(app.starlette.routes), "")
-    for path in [*SURFACES, COUNT_TOKENS_PATH]:
+    for path in app.llm:  # the LLM routes (POST): the app's routing table
         out += [("POST", path), ("POST", "/t/{token}" + path)]
     return sorted(set(out))
 

@@ -20,7 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from lightning_sdk.errors import ConfigError
-from lightning_sdk.proxy.app import HangUpSweeper, _HangUpWatch
+from lightning_sdk.proxy.hangup import HangUpSweeper, HangUpWatch
 from lightning_sdk.proxy.shapes import MAX_TOKEN_ID, MalformedAnswer, _ids, canonical_chat, chat_tokens
 from lightning_sdk.store._sqlite_rows import call_to_row
 from lightning_sdk.types import Call
@@ -160,7 +160,7 @@ def test_the_sweeper_arms_due_watches_with_one_timer_and_never_a_closed_one() ->
 
         task = asyncio.current_task()
         t0 = loop.time()
-        watches = [_HangUpWatch(receive_for(i), task, sweeper) for i in range(100)]
+        watches = [HangUpWatch(receive_for(i), task, sweeper) for i in range(100)]
         for w in watches[::2]:
             w.close()  # calls that ended before their watch was due
         await asyncio.sleep(0.1)
@@ -186,7 +186,7 @@ def test_a_watch_without_a_sweeper_is_armed_at_once() -> None:
             seen.set()
             return {"type": "http.request"}
 
-        watch = _HangUpWatch(receive, asyncio.current_task(), None)
+        watch = HangUpWatch(receive, asyncio.current_task(), None)
         await asyncio.wait_for(seen.wait(), 1.0)
         watch.close()
         return seen.is_set()

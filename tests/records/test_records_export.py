@@ -274,3 +274,30 @@ def test_batch_pads_records_and_converts_to_torch() -> None:
         build_batch(res.records, max_length=3)
     with pytest.raises(RecordError):
         build_batch([])
+
+
+def test_cli_reads_a_daemons_store_from_its_root_url(tmp_path: Path) -> None:
+    """``--store http://HOST:PORT`` (the daemon's root URL, as printed) reads the store served at
+    ``/lightning/v1/store`` on a real loopback server; it used to fail with "no route GET /group-details"."""
+    import asyncio
+
+    from tests.store.conftest import ADMIN_KEY, ServerThread
+
+    db = tmp_path / "store.db"
+    asyncio.run(_fill(db))
+    store = SQLiteStore(db)
+    server = ServerThread(store).start()
+    try:
+        root = server.url.removesuffix("/lightning/v1/store")
+        for url in (root, root + "/", root + "/lightning/v1", server.url):
+            out = tmp_path / "rec.jsonl"
+            res = _invoke(["records", "--store", url, "--admin-key", ADMIN_KEY, "--out", str(out), "--quiet"])
+            assert res.exit_code == 0, (url, res.output)
+            assert len(read_jsonl(out)) == 4
+    finally:
+        server.stop()
+        asyncio.run(store.close())
+    command = typer.main.get_command(app)
+    records = command.commands["records"] if hasattr(command, "commands") else command  # type: ignore[attr-defined]
+    help_text = next(p.help for p in records.params if p.name == "store") or ""
+    assert "http://HOST:PORT" in help_text and "/lightning/v1/store" in help_text  # what --help says

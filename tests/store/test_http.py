@@ -295,3 +295,29 @@ async def test_repeated_requests_after_a_lost_answer_are_harmless(tmp_path: Path
         relay.server.close()
         server.stop()
         await backing.close()
+
+
+async def test_lease_s_is_bounded(served: tuple[ServerThread, SQLiteStore]) -> None:
+    """``lease_s`` past ``MAX_LEASE_S`` (or not positive, or not finite) answers 400 naming the field; a lease within
+    it is granted as asked (``1e308`` answered 200 and made a lease that never expires)."""
+    from lightning_sdk.store._wire import MAX_LEASE_S
+
+    server, store = served
+    auth = {"authorization": f"Bearer {ADMIN_KEY}"}
+    await store.enqueue([{"q": 1}], n=1)
+    async with httpx.AsyncClient(base_url=server.url, headers=auth) as client:
+        for bad in (1e308, MAX_LEASE_S + 1, 0, -5):
+            resp = await client.post("/claim", json={"worker_id": "w", "lease_s": bad})
+            assert resp.status_code == 400, bad
+            err = resp.json()["error"]
+            assert err["type"] == "invalid_request_error" and "lease_s" in err["message"]
+        for raw in (b'{"worker_id": "w", "lease_s": Infinity}', b'{"worker_id": "w", "lease_s": NaN}'):
+            assert (await client.post("/claim", content=raw)).status_code == 400
+        assert await store.counts() == {**await store.counts(), "queued": 1}  # nothing claimed by a refusal
+        resp = await client.post("/claim", json={"worker_id": "w", "lease_s": MAX_LEASE_S})
+        assert resp.status_code == 200
+        attempt_id = resp.json()["claim"]["attempt"]["attempt_id"]
+        resp = await client.post(f"/attempts/{attempt_id}/heartbeat", json={"lease_s": 1e308})
+        assert resp.status_code == 400 and "lease_s" in resp.json()["error"]["message"]
+        resp = await client.post(f"/attempts/{attempt_id}/heartbeat", json={"lease_s": 30})
+        assert resp.status_code == 200

@@ -29,7 +29,7 @@ with in-process workers, as ``lightning-sdk train`` does)::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +38,7 @@ import httpx
 
 from lightning_sdk.proxy import PassthroughBackend, PolicyBackend, ProxyConfig, create_app
 from lightning_sdk.proxy.external import ExternalRoute
+from lightning_sdk.proxy.observe import CallObserver
 from lightning_sdk.store import MemoryStore, SQLiteStore, Store, run_sync
 from tests.support.servers import RunningServer, run_server, serve_async
 
@@ -59,15 +60,23 @@ def proxy_app(
     policy_backend: PolicyBackend | None = None,
     external: list[ExternalRoute] | None = None,
     config: ProxyConfig | None = None,
+    observers: Sequence[CallObserver] = (),
     **backend_options: Any,
 ) -> Any:
     """``create_app`` with ``ADMIN_KEY``: ``policy_backend``, or a ``PassthroughBackend`` to ``upstream`` (built
-    with ``backend_options``)."""
+    with ``backend_options``); ``observers`` watch its calls (``lightning_sdk.proxy.observe``)."""
     if policy_backend is None:
         if upstream is None:
             raise ValueError("a test proxy needs an upstream URL or a policy_backend")
         policy_backend = PassthroughBackend(upstream, **backend_options)
-    return create_app(store, policy_backend=policy_backend, admin_key=ADMIN_KEY, external=external, config=config)
+    return create_app(
+        store,
+        policy_backend=policy_backend,
+        admin_key=ADMIN_KEY,
+        external=external,
+        config=config,
+        observers=observers,
+    )
 
 
 def _store(store: Store | None, store_path: Path | str | None) -> tuple[Store, bool]:
@@ -154,12 +163,21 @@ def run_proxy(
     store_path: Path | str | None = None,
     external: list[ExternalRoute] | None = None,
     config: ProxyConfig | None = None,
+    observers: Sequence[CallObserver] = (),
     **backend_options: Any,
 ) -> Iterator[ProxyHandle]:
     """Serve the proxy from a background thread on a free loopback port (see the module docstring)."""
     the_store, owned = _store(store, store_path)
     options = {**FAST_RETRIES, **backend_options}
-    app = proxy_app(the_store, upstream, policy_backend=policy_backend, external=external, config=config, **options)
+    app = proxy_app(
+        the_store,
+        upstream,
+        policy_backend=policy_backend,
+        external=external,
+        config=config,
+        observers=observers,
+        **options,
+    )
     try:
         with run_server(app, http=_serving_protocol(app)) as server:
             handle = ProxyHandle(server, the_store, app)
@@ -196,12 +214,19 @@ async def serve_proxy(
     store_path: Path | str | None = None,
     external: list[ExternalRoute] | None = None,
     config: ProxyConfig | None = None,
+    observers: Sequence[CallObserver] = (),
     **backend_options: Any,
 ) -> AsyncIterator[AsyncProxy]:
     """``run_proxy`` on the running event loop (the passthrough backend as given: no test retry defaults)."""
     the_store, owned = _store(store, store_path)
     app = proxy_app(
-        the_store, upstream, policy_backend=policy_backend, external=external, config=config, **backend_options
+        the_store,
+        upstream,
+        policy_backend=policy_backend,
+        external=external,
+        config=config,
+        observers=observers,
+        **backend_options,
     )
     try:
         async with serve_async(app, http=_serving_protocol(app)) as server:

@@ -49,7 +49,7 @@ def test_messages_request_to_chat_form() -> None:
         "context_management": {"edits": []},
     }
     surface = MessagesSurface()
-    t = surface.translate(surface.validate(body), PriorReplies(()), "call-x1")
+    t = surface.translate(surface.parse(body), PriorReplies(()), "call-x1")
     assert t.chat["messages"] == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Look:\n[image]"},
@@ -73,7 +73,7 @@ def test_messages_request_to_chat_form() -> None:
     named = surface.translate({**body, "tool_choice": {"type": "tool", "name": "Bash"}}, PriorReplies(()), "call-x2")
     assert named.chat["tool_choice"] == {"type": "function", "function": {"name": "Bash"}}
     with pytest.raises(ProxyHTTPError) as err:
-        surface.validate({**body, "max_tokens": None})
+        surface.parse({**body, "max_tokens": None})
     assert err.value.param == "max_tokens"
 
 
@@ -102,7 +102,7 @@ def test_responses_request_to_chat_form() -> None:
         "max_output_tokens": 64,
     }
     surface = ResponsesSurface()
-    t = surface.translate(surface.validate(body), PriorReplies(()), "call-y1")
+    t = surface.translate(surface.parse(body), PriorReplies(()), "call-y1")
     assert [m["role"] for m in t.chat["messages"]] == ["system", "user", "assistant", "tool"]
     assert t.chat["messages"][2]["tool_calls"][0]["function"]["name"] == "agents__spawn"
     assert t.chat["messages"][3]["content"] == "ok"
@@ -126,7 +126,7 @@ def test_responses_request_to_chat_form() -> None:
             "usage": {"prompt_tokens": 9, "completion_tokens": 4},
         }
     )
-    out = surface.answer(t, reply)
+    out = surface.reply_body(t, reply)
     assert out["output"] == [
         {
             "type": "function_call",

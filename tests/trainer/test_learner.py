@@ -11,7 +11,7 @@ import torch
 
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.policy.model import load_policy
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, token_logprobs
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, cpu_has_bf16, token_logprobs
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
 from tests.trainer.tiny import build_small_policy
 
@@ -298,3 +298,67 @@ def test_an_update_sets_its_threads_intra_op_threads(policy_dir: Path) -> None:
     thread.join()
     assert seen == [1]
     assert torch.get_num_threads() == 2
+
+
+def _demonstration_batch(policy_dir: Path, n: int = 12) -> TrainBatch:
+    """Real rows: calc demonstrations rendered with the policy's own tokenizer and chat template (the warm start's
+    rows: the assistant turns trained), with advantages of +-1 and the policy's own log-probs as the rollout's."""
+    from lightning_sdk.policy.warm_start import render_demonstration_rows
+    from tests.trainer.tiny import calc_tasks
+
+    model, tokenizer = load_policy(policy_dir)
+    tasks = calc_tasks()
+    rows: list[tuple[list[int], list[int]]] = []
+    for task in tasks.make_tasks(n, "train", seed=5):
+        demo = tasks.demonstration(task)
+        rows += render_demonstration_rows(tokenizer, demo["messages"], demo["tools"])
+    width = max(len(ids) for ids, _ in rows)
+    ids_t = torch.zeros(len(rows), width, dtype=torch.long)
+    attn_t = torch.zeros(len(rows), width, dtype=torch.long)
+    mask_t = torch.zeros(len(rows), width)
+    for i, (ids, mask) in enumerate(rows):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        attn_t[i, : len(ids)] = 1
+        mask_t[i, : len(ids)] = torch.tensor(mask, dtype=torch.float)
+    adv = torch.where(torch.arange(len(rows)) % 2 == 0, 1.0, -1.0).unsqueeze(1) * mask_t
+    return _with_rollout_logprobs(model, TrainBatch(ids_t, attn_t, mask_t, torch.zeros(len(rows), width), adv))
+
+
+def _update_of(policy_dir: Path, batch: TrainBatch, **settings: object) -> tuple[dict[str, float], torch.Tensor]:
+    """One step's metrics and the weights' change (flattened) from the same starting weights."""
+    model, _ = load_policy(policy_dir)
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    learner = Learner(model, LearnerConfig(lr=1e-3, warmup_steps=1, ppo_epochs=2, temperature=0.6, **settings))
+    metrics = learner.update(batch)
+    return metrics, torch.cat([p.detach().flatten() for p in model.parameters()]) - start
+
+
+def test_pi_old_from_the_first_pass_gives_the_same_update_as_a_separate_pass(policy_dir: Path) -> None:
+    """``reuse_first_pass``: with two PPO passes the first update's forward pass runs on the step's starting weights,
+    so its log-probs are pi_old: the same losses, clip fractions and update as computing them in a pass of their
+    own (one forward pass fewer per step)."""
+    batch = _demonstration_batch(policy_dir)
+    separate, d_separate = _update_of(policy_dir, batch, reuse_first_pass=False)
+    reused, d_reused = _update_of(policy_dir, batch, reuse_first_pass=True)
+    assert separate["updates"] == reused["updates"] == 2.0
+    assert separate["clip_frac"] > 0 or separate["ppo_kl"] != 0  # the second update saw a ratio away from 1
+    for key in ("loss", "clip_frac", "ppo_kl", "entropy", "is_weight"):
+        assert reused[key] == pytest.approx(separate[key], rel=1e-5, abs=1e-7), key
+    assert float((d_reused - d_separate).norm() / d_separate.norm()) < 1e-5
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="the CPU has no AVX-512 BF16 / AMX (bf16 would be emulated)")
+def test_bf16_autocast_stays_within_tolerance_of_fp32(policy_dir: Path) -> None:
+    """``precision = "bf16"`` (autocast of the forward passes; weights, gradients and the optimizer fp32): on real
+    calc rows the step's loss stays within 2% (relative, or 2e-3 absolute) of fp32's and the update within 10%
+    (relative norm of the difference of the weights' change), the same direction (cosine > 0.99)."""
+    batch = _demonstration_batch(policy_dir)
+    fp32, d32 = _update_of(policy_dir, batch, precision="fp32")
+    bf16, d16 = _update_of(policy_dir, batch, precision="bf16")
+    assert fp32["loss"] != 0.0
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2, abs=2e-3)
+    assert bf16["entropy"] == pytest.approx(fp32["entropy"], rel=2e-2)
+    rel = float((d16 - d32).norm() / d32.norm())
+    cosine = float(torch.nn.functional.cosine_similarity(d16, d32, dim=0))
+    assert rel < 0.10 and cosine > 0.99, (rel, cosine)
+    assert rel > 0  # bf16 did run: the update is not bit-identical

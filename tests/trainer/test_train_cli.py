@@ -52,7 +52,15 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
             "batch_size": 8,
             "validation_tasks": 8,
         },
-        rl={"steps": 3, "tasks_per_step": 4, "samples_per_task": 2, "workers": 8, "max_tokens": 24},
+        # every group trained (advantage 0 where rewards agree), so each step measures the learner for the balance
+        rl={
+            "steps": 3,
+            "tasks_per_step": 4,
+            "samples_per_task": 2,
+            "workers": 8,
+            "max_tokens": 24,
+            "drop_zero_variance": False,
+        },
         eval={"n": 12, "max_tokens": 24, "workers": 12},
     )
     out = tmp_path / "run"
@@ -76,6 +84,12 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
     assert "held-out success" in stdout.decode()
+    # the learner's threads were chosen from the run's own steps 2 and 3 (one per candidate; step 1 skipped)
+    balance = summary["balance"]
+    assert [t["threads"] for t in balance["trials"]] == balance["candidates"]
+    assert balance["learner_threads"] in balance["candidates"]
+    assert balance["rates"][str(balance["learner_threads"])] == max(balance["rates"].values())
+    assert f"learner threads: {balance['learner_threads']}" in stdout.decode()
     # the RL workers started with the evaluation before RL ([rl] generate_during_eval, on by default): train
     # rollouts ran while the baseline was measured, and every call of that evaluation (and of those rollouts) was
     # served by the starting weights, version 0: nothing was published before the baseline was taken

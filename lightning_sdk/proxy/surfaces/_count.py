@@ -8,31 +8,37 @@ policy's tokenizer the proxy cannot count exactly and says so (400) rather than 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError, TokenizationError
-from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
+from lightning_sdk.proxy.call import attempt_token, read_json, refusal, send_error
+from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy.external import ExternalBackend
 from lightning_sdk.proxy.surfaces._chat import PriorReplies
-from lightning_sdk.proxy.surfaces._handler import attempt_token, send_error
 from lightning_sdk.proxy.surfaces.messages import MessagesSurface
+
+if TYPE_CHECKING:
+    from lightning_sdk.proxy.service import Proxy
 
 __all__ = ["count_tokens"]
 
+_SURFACE = MessagesSurface()
 
-async def count_tokens(proxy: Any, scope: Scope, receive: Receive, send: Send, path_token: str | None) -> None:
+
+async def count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send, path_token: str | None) -> None:
     """Answer ``{"input_tokens": N}`` for a Messages request body (see the module docstring)."""
-    surface = MessagesSurface()
+    surface = _SURFACE
     try:
-        raw = await proxy._read_json(scope, receive)
+        raw = await read_json(scope, receive, proxy.config.max_body_bytes, proxy.config.read_timeout_s)
         if isinstance(raw, dict):
             raw = {"max_tokens": 1, **raw}  # count_tokens takes no max_tokens
-        body = surface.validate(raw)
-        await proxy.attempts.resolve(attempt_token(scope, path_token))
+        body = surface.parse(raw)
+        await proxy.attempts.resolve(attempt_token(scope, path_token, api_key_header=True))
         backend = proxy.backend_for(body["model"])
-        renderer = getattr(backend, "renderer", None)
+        renderer = None if isinstance(backend, ExternalBackend) else backend.prompt_renderer()
         if renderer is None:
             raise ProxyHTTPError(
                 400,
@@ -45,7 +51,7 @@ async def count_tokens(proxy: Any, scope: Scope, receive: Receive, send: Send, p
         except TokenizationError as exc:
             raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
     except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
-        await send_error(send, surface, from_sdk_error(exc))
+        await send_error(send, surface, refusal(exc))
         return
     payload = orjson.dumps({"input_tokens": len(ids)})
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]

@@ -28,9 +28,17 @@ from typing import Any
 
 import orjson
 
+from lightning_sdk.proxy.backend import CallContext
 from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
+from lightning_sdk.proxy.surfaces._base import (
+    SurfaceAdapter,
+    Translation,
+    chat_form,
+    check_common,
+    original_request,
+    sse,
+)
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply, opaque_ref
-from lightning_sdk.proxy.surfaces._handler import Translation, chat_form, check_common, original_request, sse
 
 __all__ = ["MessagesSurface", "anthropic_error"]
 
@@ -74,13 +82,13 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-class MessagesSurface:
+class MessagesSurface(SurfaceAdapter):
     """``POST /v1/messages`` (see the module docstring)."""
 
     api = "messages"
 
     # -- request ---------------------------------------------------------------------------------------------------
-    def validate(self, raw: Any) -> dict[str, Any]:
+    def parse(self, raw: Any) -> dict[str, Any]:
         body = check_common(raw)
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -91,8 +99,12 @@ class MessagesSurface:
             if not isinstance(m.get("content"), str | list):
                 raise _bad(f"messages.{i}.content", "must be a string or a list of content blocks")
         max_tokens = body.get("max_tokens")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise _bad("max_tokens", "Field required (a positive integer)")
+        if max_tokens is None:
+            raise _bad("max_tokens", "Field required")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise _bad("max_tokens", f"must be an integer, got {json.dumps(max_tokens)[:40]}")
+        if max_tokens < 1:
+            raise _bad("max_tokens", f"must be at least 1, got {max_tokens}")
         stops = body.get("stop_sequences")
         if stops is not None and (not isinstance(stops, list) or not all(isinstance(s, str) for s in stops)):
             raise _bad("stop_sequences", "must be a list of strings")
@@ -224,7 +236,7 @@ class MessagesSurface:
             "cache_read_input_tokens": 0,
         }
 
-    def answer(self, t: Translation, reply: Reply) -> dict[str, Any]:
+    def reply_body(self, t: Translation, reply: Reply) -> dict[str, Any]:
         blocks: list[Message] = []
         if reply.reasoning:
             signature = opaque_ref(t.state["call_id"], "thinking")
@@ -246,8 +258,8 @@ class MessagesSurface:
     def refs(self, t: Translation, reply: Reply) -> list[str]:
         return [opaque_ref(t.state["call_id"], "thinking")] if reply.reasoning else []
 
-    def stream(self, t: Translation) -> _MessagesStream:
-        return _MessagesStream(self, t)
+    def stream(self, t: Translation, ctx: CallContext) -> _MessagesStream:
+        return _MessagesStream(self, t, ctx.prompt_tokens or 0)
 
     def error_body(self, err: ProxyHTTPError) -> bytes:
         return orjson.dumps(anthropic_error(err))
@@ -256,11 +268,12 @@ class MessagesSurface:
 class _MessagesStream:
     """Chat chunks → Messages stream events (see the module docstring)."""
 
-    def __init__(self, surface: MessagesSurface, t: Translation) -> None:
+    def __init__(self, surface: MessagesSurface, t: Translation, input_tokens: int = 0) -> None:
         from lightning_sdk.proxy.surfaces._chat import ChatDeltaReader
 
         self.surface = surface
         self.t = t
+        self.input_tokens = input_tokens  # the prompt's length when the backend knew it before its first chunk
         self.reader = ChatDeltaReader(t.stop)
         self.index = -1
         self.open: str | None = None  # the type of the open block
@@ -275,7 +288,7 @@ class _MessagesStream:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
         }
         return [sse("message_start", {"type": "message_start", "message": message}), sse("ping", {"type": "ping"})]
 

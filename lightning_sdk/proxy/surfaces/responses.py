@@ -30,9 +30,17 @@ from typing import Any
 
 import orjson
 
+from lightning_sdk.proxy.backend import CallContext
 from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
+from lightning_sdk.proxy.surfaces._base import (
+    SurfaceAdapter,
+    Translation,
+    chat_form,
+    check_common,
+    original_request,
+    sse,
+)
 from lightning_sdk.proxy.surfaces._chat import ChatDeltaReader, PriorReplies, Reply, ToolUse, opaque_ref, surface_of
-from lightning_sdk.proxy.surfaces._handler import Translation, chat_form, check_common, original_request, sse
 
 __all__ = ["ResponsesSurface"]
 
@@ -61,13 +69,13 @@ def _parts_text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-class ResponsesSurface:
+class ResponsesSurface(SurfaceAdapter):
     """``POST /v1/responses`` (see the module docstring)."""
 
     api = "responses"
 
     # -- request ---------------------------------------------------------------------------------------------------
-    def validate(self, raw: Any) -> dict[str, Any]:
+    def parse(self, raw: Any) -> dict[str, Any]:
         body = check_common(raw)
         if not isinstance(body.get("input"), str | list):
             raise _bad("input", "required, a string or a list of input items")
@@ -329,13 +337,13 @@ class ResponsesSurface:
             "user": body.get("user"),
         }
 
-    def answer(self, t: Translation, reply: Reply) -> dict[str, Any]:
+    def reply_body(self, t: Translation, reply: Reply) -> dict[str, Any]:
         return self._response(t, reply)
 
     def refs(self, t: Translation, reply: Reply) -> list[str]:
         return [str(item["id"]) for item in self.output(t, reply)]
 
-    def stream(self, t: Translation) -> _ResponsesStream:
+    def stream(self, t: Translation, ctx: CallContext) -> _ResponsesStream:
         return _ResponsesStream(self, t)
 
     def error_body(self, err: ProxyHTTPError) -> bytes:

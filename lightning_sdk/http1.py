@@ -1,4 +1,6 @@
-"""A small pooled HTTP/1.1 client for the proxy's hot path (asyncio protocol + the httptools parser).
+"""A small pooled HTTP/1.1 client (asyncio protocol + httptools): the proxy's upstream and the agents' transport.
+
+A neutral module: both the agent side and the proxy import it, and it imports no server (no starlette, no uvicorn).
 
 Why not httpx or aiohttp: forwarding a request is the proxy's whole job, and on a small machine the general clients
 cost more CPU per request than everything else the proxy does (measured here: aiohttp ~0.1 ms, httpx ~0.3 ms,

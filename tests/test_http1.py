@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from lightning_sdk.proxy.http1 import Http1ConnectError, Http1Pool, Http1ProtocolError, Http1ReadTimeout
+from lightning_sdk.http1 import Http1ConnectError, Http1Pool, Http1ProtocolError, Http1ReadTimeout
 from tests.support.servers import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
