@@ -56,6 +56,19 @@ def run(out: Path, overrides: list[str]) -> dict[str, Any]:
     return {"wall_s": wall, "peak_rss_mb": peak_kb / 1024, "load_start": load0, "load_end": os.getloadavg()[0]}
 
 
+def cpu_line() -> str:
+    """``lscpu``'s model name and the flags that decide the learner's kernels (the figures depend on the CPU)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "cpu: (lscpu unavailable)"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = set(fields.get("Flags", "").split())
+    wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile"]
+    have = [f for f in wanted if f in flags]
+    return f"cpu: {fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none'}"
+
+
 def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     metrics = run_dir / "metrics.jsonl"  # absent when RL ran no step (the budget went on the warm start)
@@ -67,6 +80,12 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
     wall = measured["wall_s"] if measured else summary["wall_s"]
     gain = after - before
     print(f"run: {run_dir}")
+    print(cpu_line())
+    if summary.get("stopped_short"):
+        print(f"stopped short: {summary['stopped_short']}")
+    if summary.get("balance"):
+        b = summary["balance"]
+        print(f"learner threads: {b['learner_threads']} (pipeline rates by threads, trained tokens/s: {b['rates']})")
     if measured:
         print(
             f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "
@@ -87,7 +106,9 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
 
     ws = (summary.get("warm_start") or {}).get("wall_s", 0.0)
     ev_before = summary["eval_before"].get("wall_s", 0.0)
-    ev_after = 0.0 if "target_reached_s" in tl else summary["eval_after"].get("wall_s", 0.0)
+    # the final evaluation is the last target check when a target is set (counted there), else eval-after
+    last_is_check = str(summary["eval_after"].get("split", "")).startswith("eval-check")
+    ev_after = 0.0 if "target_reached_s" in tl or last_is_check else summary["eval_after"].get("wall_s", 0.0)
     ev_checks = sum(c["wall_s"] for c in checks)
     rl_wall = rl.get("wall_s", 0.0) - ev_checks
     startup = tl.get("startup_s")

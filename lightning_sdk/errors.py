@@ -21,6 +21,7 @@ drawn under another base)::
      │    ├── UpstreamNotReady    the passthrough's upstream is not up yet (proxy/passthrough.py, 503)
      │    └── MalformedAnswer     the upstream's answer is not the API's shape (proxy/shapes.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
+     │    └── TemplateFeatureError  the policy's chat template cannot render a request feature (tools, ...)
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
      ├── EngineError              an inference engine failed (launch, generate, weight update)
      ├── TrainerError             the learner or the trainer daemon failed
@@ -49,6 +50,7 @@ __all__ = [
     "SandboxError",
     "StoreError",
     "StoreUnavailableError",
+    "TemplateFeatureError",
     "TokenizationError",
     "TrainerError",
     "UpstreamError",
@@ -97,6 +99,17 @@ class UpstreamError(LightningSDKError):
 
 class TokenizationError(LightningSDKError):
     """Rendering, parsing or a token-fidelity check failed."""
+
+
+class TemplateFeatureError(TokenizationError):
+    """The policy's chat template cannot render a feature the request uses (tool definitions, assistant tool calls,
+    tool results, reasoning, a system prompt): refused rather than dropped from the prompt. ``param`` is the request
+    field at fault (``tools`` or ``messages``), ``feature`` the capability that is missing."""
+
+    def __init__(self, message: str, *, feature: str, param: str) -> None:
+        super().__init__(message)
+        self.feature = feature
+        self.param = param
 
 
 class RecordError(LightningSDKError):

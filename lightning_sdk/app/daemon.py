@@ -113,8 +113,20 @@ async def _place_workers(job: Job) -> _Placed:
     from lightning_sdk.cluster import ClusterRun
 
     config = job.config
-    run = ClusterRun.start(config.cluster, config.agent, job.server.url, job.admin_key)
+    run = await ClusterRun.start(
+        config.cluster,
+        config.agent,
+        job.server.url,
+        job.admin_key,
+        engine=job.parts.engine,
+        model_dir=job.model_dir,
+        sampling=job.sampling,
+        host=config.host,
+    )
     placed = _Placed(job, run)
     await placed.write(job.out)
-    job.view.note(f"{config.cluster.workers} worker actors on the Ray cluster ({job.out / 'cluster.json'})")
+    job.view.note(
+        f"{config.cluster.proxies} proxy and {config.cluster.workers} worker actors on the Ray cluster "
+        f"({job.out / 'cluster.json'})"
+    )
     return placed

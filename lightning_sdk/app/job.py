@@ -98,6 +98,7 @@ class Job:
     resumed: bool
     t_start: float
     timeline: dict[str, float] = field(default_factory=dict)  # seconds since the start when each phase ended
+    model_dir: Path | None = None  # the policy directory the parts were built from
 
     def mark(self, name: str) -> None:
         self.timeline[name] = round(time.perf_counter() - self.t_start, 2)
@@ -147,11 +148,20 @@ async def open_job(
         view = view or ProgressView(config.name, config.rl.steps)
         metrics = MetricsLog(out, backends=config.metrics, name=config.name)
         try:
-            view.set_phase("building the policy")
+            kind = config.engine.kind
+            launching = kind in ("vllm", "sglang") and not config.engine.urls
+            view.set_phase(
+                f"building the policy and launching the {kind} server" if launching else "building the policy"
+            )
             model_dir = prepare_policy(config.policy, out, tasks.demonstrations)
             # the learner's section: [verl] when backend = "verl" (the config made one then), else [learner]
             parts = build_parts(
-                out, model_dir, engine=config.engine, learner=config.verl or config.learner, cluster=config.cluster
+                out,
+                model_dir,
+                engine=config.engine,
+                learner=config.verl or config.learner,
+                policy=config.policy,
+                cluster=config.cluster,
             )
             store = open_store(config.store.spec(out))
             loop = TrainingLoop.configured(
@@ -167,7 +177,7 @@ async def open_job(
                 await server.start(
                     store,
                     parts.engine,
-                    parts.engine.tokenizer,
+                    parts.renderer or parts.engine.tokenizer,
                     admin_key=key,
                     sampling=sampling,
                     metrics=ops,
@@ -180,6 +190,7 @@ async def open_job(
                 if on_ready is not None:
                     on_ready(server.url, key)
                 job = Job(config, out, loop, parts, server, sampling, key, view, metrics, tasks, resumed, t_start)
+                job.model_dir = model_dir
                 job.mark("startup_s")
                 yield job
             finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest

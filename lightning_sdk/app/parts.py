@@ -17,15 +17,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.serving import EngineConfig, ServedEngine, ServingEngine, disk_checkpoints, open_engine
+from lightning_sdk.errors import ConfigError, TokenizationError
+from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig, VerlSettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
+
+if TYPE_CHECKING:
+    from lightning_sdk.tokens import ChatRenderer
 
 __all__ = ["LearnerLike", "Parts", "ServedEngine", "ServingEngine", "build_parts"]
 
@@ -56,6 +61,7 @@ class Parts:
     save_model: Callable[[Path], None]
     model: PreTrainedModel | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
+    renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
 
     async def close(self) -> None:
         """Close the engine (and the servers it launched), then shut the backend down."""
@@ -70,15 +76,17 @@ def build_parts(
     *,
     engine: EngineConfig,
     learner: LearnerConfig | VerlSettings,
+    policy: PolicyConfig | None = None,
     cluster: ClusterConfig | None = None,
 ) -> Parts:
     """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says (with ``cluster.ray``, the
-    embedded engines as Ray actors: ``lightning_sdk/cluster``), and the learner of the learner section handed over
-    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks)."""
+    embedded engines as Ray actors: ``lightning_sdk/cluster``), the learner of the learner section handed over
+    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names."""
     from lightning_sdk.policy.model import load_policy
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
+    renderer = policy_renderer(policy or PolicyConfig(), tokenizer)
     served: ServingEngine
     if cluster is not None and cluster.ray and not remote:  # the engines as Ray actors where the GPUs are
         from lightning_sdk.cluster import RayEngine, connect
@@ -89,7 +97,9 @@ def build_parts(
         served = open_engine(engine, model, tokenizer, model_dir)
     if isinstance(learner, VerlSettings):
         try:
-            return _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
+            parts = _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
+            parts.renderer = renderer
+            return parts
         except BaseException:
             if isinstance(served, ServedEngine):
                 served.stop_servers()
@@ -106,7 +116,22 @@ def build_parts(
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
 
-    return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model)
+    return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:
+    """The policy's chat template, probed and chosen (``ChatRenderer.for_policy``: ``policy.chat_template``, a path
+    made absolute when the config was loaded or a built-in name, the model's own, or its family's tool format), set
+    on ``tokenizer`` too: the warm start, the learner's checkpoints and the engines' copies then render with the
+    template the proxy renders with."""
+    from lightning_sdk.tokens import ChatRenderer
+
+    try:
+        renderer = ChatRenderer.for_policy(tokenizer, policy.chat_template, name=policy.model)
+    except TokenizationError as exc:
+        raise ConfigError(f"policy {policy.model!r}: {exc}") from exc
+    tokenizer.chat_template = renderer.chat_template
+    return renderer
 
 
 def _verl_parts(

@@ -17,7 +17,15 @@ __all__ = ["OPENMP_MARK", "app", "main", "passive_openmp"]
 
 def _register() -> None:
     # Imported for their side effect: each module adds its command to ``app``.
-    from lightning_sdk.cli import daemon_cmd, proxy_cmd, records_cmd, run_cmd, train_cmd, view_cmd  # noqa: F401
+    from lightning_sdk.cli import (  # noqa: F401
+        daemon_cmd,
+        proxy_cmd,
+        records_cmd,
+        run_cmd,
+        setup_cmd,
+        train_cmd,
+        view_cmd,
+    )
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:

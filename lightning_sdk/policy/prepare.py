@@ -23,6 +23,12 @@ class PolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
+    chat_template: str | None = Field(
+        None,
+        description="the chat template the policy is served and trained with: a Jinja file (relative to the "
+        "config) or a built-in name ('hermes': ChatML + Qwen2.5's tool layout); default: the model's own, or its "
+        "family's tool format when the model's template cannot render tools (tokens/_templates.py)",
+    )
     vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
     hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
     num_layers: int = Field(4, ge=1, description="tiny: layers")

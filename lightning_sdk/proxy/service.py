@@ -24,6 +24,7 @@ from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import PolicyBackend
+from lightning_sdk.proxy.call_metrics import CallMetrics
 from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.proxy.external import ExternalBackend
 from lightning_sdk.proxy.hangup import HangUpSweeper
@@ -92,6 +93,7 @@ class Proxy:
         )
         if metrics is not None:
             metrics.refreshers.append(self._refresh_metrics)
+            self.observers = (CallMetrics(metrics), *self.observers)  # calls, latency, tokens, in flight, finishes
         after_s = self.config.hang_up_watch_after_s
         self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(
@@ -197,8 +199,6 @@ class Proxy:
             state.closing = "ended"
             raise
         self.attempts.ended(state.attempt.token, attempt)
-        if self.metrics is not None:
-            self.metrics.attempt_ended(attempt.status.value)
         lost_calls = sum(1 for f in failures if f.startswith("call "))
         if self.observers:
             event = FinishEvent(

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import EngineError, LightningSDKError, TokenizationError, UpstreamError
+from lightning_sdk.errors import EngineError, LightningSDKError, TemplateFeatureError, TokenizationError, UpstreamError
 from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
 from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
 from lightning_sdk.proxy.observe import Mode
@@ -273,6 +273,8 @@ class TokenModeBackend(PolicyBackend):
             prompt = await asyncio.to_thread(
                 render_prompt, self.renderer, body["messages"], body.get("tools"), prior, policy=self.config.history
             )
+        except TemplateFeatureError as exc:  # the template would drop part of the request: refused, never dropped
+            raise ProxyHTTPError(400, str(exc), param=exc.param) from exc
         except TokenizationError as exc:  # the template refused these messages: the request's fault
             raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
         forced = self.renderer.encode(forced_text) if forced_text else []

@@ -1,6 +1,7 @@
 """Token fidelity: render chat messages to the policy's token ids, bridge follow-up calls, parse replies.
 
-- ``ChatRenderer``: the policy's tokenizer + chat template (``render(messages, tools) -> ids``).
+- ``ChatRenderer``: the policy's tokenizer + chat template (``render(messages, tools) -> ids``), its template
+  probed at load (``capabilities``; ``ChatRenderer.for_policy`` picks the template a policy is served with).
 - ``render_prompt``: a call's prompt ids, reusing an earlier call's prompt + sampled ids verbatim (history policies
   ``exact`` and ``template``), with the reason when the call starts a new segment.
 - ``get_parser`` / ``OutputParser`` / ``StreamingParser``: completion ids -> OpenAI assistant message or deltas.
@@ -25,8 +26,15 @@ from lightning_sdk.tokens._parsers import (
 )
 from lightning_sdk.tokens._render import ChatRenderer
 from lightning_sdk.tokens._retokenize import Retokenized, render_reply_text, retokenize_reply, retokenize_text
+from lightning_sdk.tokens._templates import (
+    BUILTIN_TEMPLATES,
+    TemplateCapabilities,
+    builtin_template,
+    probe_capabilities,
+)
 
 __all__ = [
+    "BUILTIN_TEMPLATES",
     "FAMILIES",
     "PARSERS",
     "ChatRenderer",
@@ -39,13 +47,16 @@ __all__ = [
     "Retokenized",
     "SplitReason",
     "StreamingParser",
+    "TemplateCapabilities",
     "ToolCall",
+    "builtin_template",
     "detect_family",
     "get_family",
     "get_parser",
     "message_key",
     "message_text",
     "new_tool_call_id",
+    "probe_capabilities",
     "register_family",
     "register_parser",
     "render_prompt",

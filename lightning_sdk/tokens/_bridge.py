@@ -88,6 +88,7 @@ class RenderedPrompt:
     split_reason: SplitReason | None = None
     policy: HistoryPolicy = "exact"
     notes: list[str] = field(default_factory=list)
+    template: str | None = None  # which template rendered it (``ChatRenderer.template_source``)
 
     def as_check(self) -> dict[str, Any]:
         """A JSON-able summary for ``Call.checks["render"]``."""
@@ -97,6 +98,7 @@ class RenderedPrompt:
             "parent": self.parent,
             "reused_ids": self.reused,
             "split_reason": self.split_reason,
+            **({"template": self.template} if self.template else {}),
             **({"notes": self.notes} if self.notes else {}),
         }
 
@@ -109,10 +111,26 @@ def render_prompt(
     *,
     policy: HistoryPolicy = "exact",
 ) -> RenderedPrompt:
-    """Render ``messages`` for generation, bridging over ``prior`` calls of the same attempt (module docstring)."""
+    """Render ``messages`` for generation, bridging over ``prior`` calls of the same attempt (module docstring).
+
+    ``TemplateFeatureError`` (a ``TokenizationError``) when the template would drop a feature the request uses."""
+    rendered = _render_prompt(renderer, messages, tools, prior, policy=policy)
+    rendered.template = renderer.template_source
+    return rendered
+
+
+def _render_prompt(
+    renderer: ChatRenderer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    prior: Sequence[PriorCall],
+    *,
+    policy: HistoryPolicy,
+) -> RenderedPrompt:
     if policy not in ("exact", "template"):
         raise TokenizationError(f"unknown history policy {policy!r}; use 'exact' or 'template'")
     msgs = [dict(m) for m in messages]
+    renderer.check_request(msgs, tools)  # the bridge renders only the new messages: check them all first
     keys = [message_key(m) for m in msgs]
     tkey = tools_key(tools)
     parent = _find_parent(keys, tkey, prior)

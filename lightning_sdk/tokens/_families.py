@@ -32,6 +32,8 @@ class Family:
     they differ (harmony's ``<|end|>`` closes an analysis message, yet the model goes on).
     ``parser``: the name of its output parser.
     ``detect``: substrings that all occur in the chat template of this family (checked in registration order).
+    ``tool_template``: the built-in template (``tokens/_templates.py``) that gives this family a tool format when
+    a model's own template cannot render tools (ChatML: ``hermes``); None: such a request is refused.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Family:
     stop_markers: tuple[str, ...] = ()
     detect: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
+    tool_template: str | None = None
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -157,12 +160,13 @@ register_family(
 register_family(
     Family(
         # Plain ChatML without tools in the template (e.g. SmolLM2-Instruct): registered last, so Qwen's templates
-        # (ChatML plus <tool_call>) are detected as theirs first. Replies are parsed like Qwen2.5's (Hermes
-        # <tool_call> tags if the model writes them, plain text otherwise).
+        # (ChatML plus <tool_call>) are detected as theirs first. Such a template cannot render tools: the policy
+        # is then served with the built-in hermes template (ChatML + Qwen2.5's tool layout, family qwen2.5).
         name="chatml",
         parser="hermes-nothink",
         end_markers=("<|im_end|>",),
         arguments="string",
         detect=("<|im_start|>", "<|im_end|>"),
+        tool_template="hermes",
     )
 )

@@ -133,10 +133,14 @@ class OutputParser(ABC):
 
     # -- shared ----------------------------------------------------------------------------------------------------
     def strip_stop(self, text: str) -> str:
-        """``text`` without the stop marker that ended the generation."""
+        """``text`` without the stop token that ended the generation (any of the renderer's stop ids: the family's
+        end of turn, the tokenizer's and the generation config's EOS)."""
         for marker in self.family.stops:
             if text.endswith(marker):
                 return text[: -len(marker)]
+        for stop in getattr(self.renderer, "stop_texts", ()):
+            if stop and text.endswith(stop):
+                return text[: -len(stop)]
         eos = getattr(self.renderer.tokenizer, "eos_token", None)
         if isinstance(eos, str) and eos and text.endswith(eos):
             return text[: -len(eos)]

@@ -26,6 +26,7 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
 from lightning_sdk.telemetry.config import TelemetryConfig
+from lightning_sdk.tokens import BUILTIN_TEMPLATES
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
 
@@ -204,6 +205,11 @@ class ClusterConfig(_Section):
     engine_retry_s: float = Field(
         120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
     )
+    proxies: int = Field(
+        0, ge=0, description="proxy actors on CPU nodes the worker actors call (0: they call the daemon's proxy)"
+    )
+    proxy_cpus: float = Field(1.0, ge=0, description="CPUs each proxy actor takes")
+    proxy_resource: str | None = Field(None, description="a resource each proxy actor needs one of (CPU nodes)")
     workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
     worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
@@ -286,6 +292,9 @@ class TrainConfig(_Section):
                 setattr(data, key, self._resolve(ref))
         if self.policy.is_path:
             self.policy.model = self._resolve(self.policy.model)
+        template = self.policy.chat_template
+        if template is not None and template not in BUILTIN_TEMPLATES:  # a Jinja file
+            self.policy.chat_template = self._resolve(template)
         if self.engine.model_path:
             self.engine.model_path = self._resolve(self.engine.model_path)
         url = self.store.url

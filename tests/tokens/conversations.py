@@ -142,16 +142,25 @@ class Played:
     reply: Message
 
 
+def tools_for(renderer: ChatRenderer) -> list[Message] | None:
+    """``TOOLS``, or None for a template that drops tool definitions (DeepSeek-V3's official template renders tool
+    calls and results but never the tools: the renderer refuses them, ``renderer.capabilities.tools`` is False)."""
+    return None if renderer.capabilities.tools is False else TOOLS
+
+
 def play(
     renderer: ChatRenderer,
     msgs: list[Message],
     *,
     policy: HistoryPolicy = "exact",
-    tools: list[Message] | None = TOOLS,
+    tools: list[Message] | str | None = "default",
     echo_reasoning: bool = True,
 ) -> list[Played]:
     """Play the agent side of ``msgs``: one call per assistant message, sampled with ``reply_ids``; the agent sends
-    earlier replies back with their reasoning (``echo_reasoning``) or without it (what OpenAI clients do)."""
+    earlier replies back with their reasoning (``echo_reasoning``) or without it (what OpenAI clients do).
+    ``tools``: default ``tools_for(renderer)``."""
+    if isinstance(tools, str):
+        tools = tools_for(renderer)
     played: list[Played] = []
     prior: list[PriorCall] = []
     sent = [

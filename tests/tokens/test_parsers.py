@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from lightning_sdk.tokens import OutputParser, get_parser
 from tests.tokens.conversations import (
     FAMILY_NAMES,
-    TOOLS,
     Message,
     assistant,
     conversation,
@@ -26,6 +25,7 @@ from tests.tokens.conversations import (
     reply_text,
     same_message,
     tool_call,
+    tools_for,
 )
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -89,8 +89,8 @@ def test_round_trip_through_the_template(name: str) -> None:
     renderer = renderer_for(name)
     parser = get_parser(renderer)
     for history, reply in _replies(name):
-        prompt = renderer.render(history, TOOLS)
-        ids = reply_ids(renderer, history, reply, TOOLS)
+        prompt = renderer.render(history, tools_for(renderer))
+        ids = reply_ids(renderer, history, reply, tools_for(renderer))
         parsed = parser.parse(ids, prompt_ids=prompt).to_message()
         assert same_message(parsed, reply), (parsed, reply)
         if name == "mistral-nemo":  # the model writes the ids itself: they are kept
@@ -100,7 +100,8 @@ def test_round_trip_through_the_template(name: str) -> None:
         echo = {**parsed, "tool_calls": [dict(c, id=o["id"]) for c, o in pairs]}
         if not echo["tool_calls"]:
             del echo["tool_calls"]
-        assert reply_text(renderer, history, echo, TOOLS) == reply_text(renderer, history, reply, TOOLS)
+        tools = tools_for(renderer)
+        assert reply_text(renderer, history, echo, tools) == reply_text(renderer, history, reply, tools)
 
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
@@ -109,8 +110,8 @@ def test_streaming_adds_up_to_the_one_shot_message(name: str, chunks: list[int])
     renderer = renderer_for(name)
     parser = get_parser(renderer)
     for history, reply in _replies(name):
-        prompt = renderer.render(history, TOOLS)
-        ids = reply_ids(renderer, history, reply, TOOLS)
+        prompt = renderer.render(history, tools_for(renderer))
+        ids = reply_ids(renderer, history, reply, tools_for(renderer))
         one_shot = parser.parse(ids, prompt_ids=prompt).to_message()
         streamed, final = _stream(parser, ids, chunks, prompt)
         assert streamed == final
@@ -244,8 +245,8 @@ def test_qwen3_parse_and_stream_properties(
     reply = assistant(
         _clean(content) if content.strip() or not calls else None, reasoning=_clean(reasoning), calls=calls
     )
-    ids = reply_ids(renderer, USER, reply, TOOLS)
-    prompt = renderer.render(USER, TOOLS)
+    ids = reply_ids(renderer, USER, reply, tools_for(renderer))
+    prompt = renderer.render(USER, tools_for(renderer))
     one_shot = parser.parse(ids, prompt_ids=prompt).to_message()
     assert same_message(one_shot, reply)
     streamed, final = _stream(parser, ids, chunks, prompt)

@@ -28,6 +28,7 @@ from tests.tokens.conversations import (
     same_message,
     tool_call,
     tool_result,
+    tools_for,
 )
 
 # harmony has no parallel tool calls: the engine stops at the first <|call|>
@@ -47,7 +48,7 @@ def test_exact_reuses_every_sampled_id(name: str, parallel: bool, echo_reasoning
     played = play(renderer, msgs, policy="exact", echo_reasoning=echo_reasoning)
     assert len(played) == 4
     assert played[0].prompt.extended is False and played[0].prompt.split_reason is None
-    assert played[0].prompt.prompt_ids == renderer.render(played[0].history, TOOLS)
+    assert played[0].prompt.prompt_ids == renderer.render(played[0].history, tools_for(renderer))
     for before, call in itertools.pairwise(played):
         base = before.prompt.prompt_ids + before.completion_ids
         assert call.prompt.extended and call.prompt.split_reason is None
@@ -56,10 +57,10 @@ def test_exact_reuses_every_sampled_id(name: str, parallel: bool, echo_reasoning
         assert call.prompt.reused == len(base)
         # the new part is exactly how the official template renders the new messages at the end of the conversation
         new_text = renderer.decode(call.prompt.prompt_ids[len(base) :])
-        official = renderer.render_text(call.history, TOOLS)
+        official = renderer.render_text(call.history, tools_for(renderer))
         assert new_text and official.endswith(new_text)
         if name in PREFIX_KEEPING and not (parallel and name.startswith("llama")):
-            assert call.prompt.prompt_ids == renderer.render(call.history, TOOLS)
+            assert call.prompt.prompt_ids == renderer.render(call.history, tools_for(renderer))
     for call in played:  # and every sampled reply parses back to the message
         assert same_message(
             parser.parse(call.completion_ids, prompt_ids=call.prompt.prompt_ids).to_message(), call.reply
@@ -88,7 +89,8 @@ def test_template_policy_splits_only_where_the_template_rewrites(name: str, para
     msgs = conversation(reasoning=renderer.family.reasoning_key is not None, parallel=parallel)
     played = play(renderer, msgs, policy="template")
     for call in played:
-        assert call.prompt.prompt_ids == renderer.render(call.history, TOOLS)  # always the official rendering
+        official = renderer.render(call.history, tools_for(renderer))
+        assert call.prompt.prompt_ids == official  # always the official rendering
     reasons = [call.prompt.split_reason for call in played]
     assert reasons == _expected_template_splits(name, parallel)
     for i, call in enumerate(played[1:], start=1):
@@ -131,7 +133,7 @@ def test_qwen3_splits_exactly_where_reasoning_is_dropped(msgs: list[Message]) ->
     template = play(renderer, msgs, policy="template")
     for before, call in itertools.pairwise(template):
         sampled = renderer.decode(before.prompt.prompt_ids + before.completion_ids)
-        official = renderer.render_text(call.history, TOOLS)
+        official = renderer.render_text(call.history, tools_for(renderer))
         # the template drops reasoning <=> the official rendering has fewer <think> blocks than what was sampled
         dropped = official.count("<think>") < sampled.count("<think>")
         assert call.prompt.split_reason == ("template_rewrite" if dropped else None)
@@ -145,7 +147,7 @@ def _first_two_calls() -> tuple[list[Message], list[PriorCall]]:
     renderer = renderer_for("qwen2.5")
     msgs = conversation(reasoning=False, parallel=False)
     played = play(renderer, msgs[:6])
-    prior = [PriorCall(p.history, TOOLS, p.reply, p.prompt.prompt_ids, p.completion_ids) for p in played]
+    prior = [PriorCall(p.history, tools_for(renderer), p.reply, p.prompt.prompt_ids, p.completion_ids) for p in played]
     return msgs, prior
 
 
@@ -194,6 +196,7 @@ def test_no_prior_call_has_no_reason_and_bad_policy_raises() -> None:
         "parent": None,
         "reused_ids": 0,
         "split_reason": None,
+        "template": "model",
     }
     with pytest.raises(TokenizationError, match="history policy"):
         render_prompt(renderer, msgs, policy="official")  # type: ignore[arg-type]

@@ -261,9 +261,10 @@ def _ctx(earlier: list[Call] | None = None) -> CallContext:
     return CallContext(attempt=attempt, call_id="call-1", seq=0, model="policy", policy_version=1, _earlier=calls)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "llama3.1", "gpt-oss", "mistral-nemo", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5", "llama3.1", "gpt-oss", "mistral-nemo"])
 async def test_streamed_and_unstreamed_calls_give_the_same_result(name: str) -> None:
-    """For every family, a tool-call reply streamed adds up (as OpenAI chunks) to the unstreamed response."""
+    """For every family whose template renders tools, a tool-call reply streamed adds up (as OpenAI chunks) to the
+    unstreamed response (DeepSeek-V3's template drops tool definitions: tests/tokens/test_templates.py)."""
     renderer = renderer_for(name)
     reasoning = "Look it up." if renderer.family.reasoning_key else None
     plan = assistant(None, reasoning=reasoning, calls=[tool_call("get_weather", {"city": "Oslo"}, "abcdefghi")])

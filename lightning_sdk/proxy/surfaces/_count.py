@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from lightning_sdk.errors import LightningSDKError, TokenizationError
+from lightning_sdk.errors import LightningSDKError, TemplateFeatureError, TokenizationError
 from lightning_sdk.proxy.call import attempt_token, read_json, refusal, send_error
 from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.proxy.external import ExternalBackend
@@ -48,6 +48,8 @@ async def count_tokens(proxy: Proxy, scope: Scope, receive: Receive, send: Send,
         chat = surface.translate(body, PriorReplies(()), "call-count").chat
         try:
             ids = await asyncio.to_thread(renderer.render, chat["messages"], chat.get("tools"))
+        except TemplateFeatureError as exc:  # the template would drop part of it (tools, ...): refused, as a call is
+            raise ProxyHTTPError(400, str(exc), param=exc.param) from exc
         except TokenizationError as exc:
             raise ProxyHTTPError(400, f"messages: {exc}", param="messages") from exc
     except LightningSDKError as exc:  # a ProxyHTTPError answers as it is
