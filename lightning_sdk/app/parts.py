@@ -107,13 +107,15 @@ def build_parts(
     pad = tokenizer.pad_token_id
     trainer = Learner(model, learner, pad_id=int(pad) if pad is not None else 0)
     weights: Callable[[], Any] = trainer.weights
+    # with LoRA the model holds PEFT's modules: a checkpoint is the merged state (the base model's names)
+    lora = learner.lora is not None
     if isinstance(served, ServedEngine):
         writer = disk_checkpoints(model, tokenizer, run_dir / "weights")
         served.write_state = writer
-        weights = lambda: writer(None)  # noqa: E731
+        weights = lambda: writer(trainer.weights() if lora else None)  # noqa: E731
 
     def save(out: Path) -> None:
-        model.save_pretrained(str(out))
+        model.save_pretrained(str(out), state_dict=trainer.weights() if lora else None)
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
