@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.agent import load_agent
-from lightning_sdk.app.job import Job, open_job, split_sampling
+from lightning_sdk.app.job import Job, open_job
 from lightning_sdk.app.loop import RunStopped, StepReport, never
 from lightning_sdk.app.view import ProgressView
+from lightning_sdk.app.warmup import run_warm_start
 from lightning_sdk.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ async def run_daemon(
         config, run_dir, view=view, admin_key=admin_key, on_ready=on_ready, require_train=False, max_attempts=tries
     ) as job:
         if job.needs_warm_start and not stop():
-            await job.warm_start(load_agent(config.resolve(config.agent)), stop)
+            await run_warm_start(job, load_agent(config.agent), stop)
         job.view.set_phase("waiting for workers")
         placed = await _place_workers(job) if cluster.ray else None
         steps: list[asyncio.Task[None]] = []
@@ -117,12 +118,12 @@ async def _place_workers(job: Job) -> _Placed:
     config = job.config
     run = await ClusterRun.start(
         config.cluster,
-        config.resolve(config.agent),
+        config.agent,
         job.server.url,
         job.admin_key,
         engine=job.parts.engine,
         model_dir=job.model_dir,
-        sampling=split_sampling(config),
+        sampling=job.sampling,
         host=config.host,
     )
     placed = _Placed(job, run)

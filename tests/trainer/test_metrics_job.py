@@ -31,7 +31,7 @@ async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path
     )
     config = load_train_config(path)
     async with open_job(config, tmp_path / "run", require_train=True) as job:
-        workers = await RLWorkers.start(job.loop, load_agent(config.resolve(config.agent)), 4)
+        workers = await RLWorkers.start(job.loop, load_agent(config.agent), 4)
         try:
             await job.loop.train_steps(2)
         finally:
