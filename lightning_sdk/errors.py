@@ -1,6 +1,8 @@
 """The exceptions of lightning_sdk.
 
-Every error the library raises on purpose derives from one root::
+Every error the library raises on purpose derives from one root; every public exception class of the package is
+drawn here, under its base (``tests/test_errors_tree.py`` walks the package and fails on one that is missing, or
+drawn under another base)::
 
     LightningSDKError
      ├── ConfigError              a config file, flag or argument is wrong
@@ -11,17 +13,25 @@ Every error the library raises on purpose derives from one root::
      ├── AuthError                missing or unknown attempt token or admin key (HTTP 401)
      ├── AttemptNotRunningError   the attempt is no longer running (HTTP 409)
      ├── UpstreamError            the engine or provider behind the proxy failed (HTTP 502/503/504)
-     │    └── Http1Error          the proxy's upstream connection failed (http1.py: connect, read timeout,
-     │                            protocol); UpstreamHTTPError: the upstream answered an error (proxy/backend.py)
+     │    ├── Http1Error          the HTTP/1.1 client's upstream connection failed (lightning_sdk/http1.py)
+     │    │    ├── Http1ConnectError     could not connect (502)
+     │    │    ├── Http1ReadTimeout      no answer in time (504)
+     │    │    └── Http1ProtocolError    the answer broke HTTP/1.1
+     │    ├── UpstreamHTTPError   the upstream answered an error status (proxy/backend.py)
+     │    ├── UpstreamNotReady    the passthrough's upstream is not up yet (proxy/passthrough.py, 503)
+     │    └── MalformedAnswer     the upstream's answer is not the API's shape (proxy/shapes.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
      │    └── TemplateFeatureError  the policy's chat template cannot render a request feature (tools, ...)
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
      ├── EngineError              an inference engine failed (launch, generate, weight update)
      ├── TrainerError             the learner or the trainer daemon failed
-     ├── SandboxError             a sandbox could not be created, run or cleaned up (lightning_sdk.sandbox)
-     └── ProxyHTTPError           an HTTP error answer the proxy gives, with its status and the field at fault
-                                  (proxy/errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
+     │    └── RunStopped          a job was asked to stop before it finished (``step``: the last checkpointed)
+     ├── SandboxError             a sandbox could not be created, run or cleaned up (never the agent's fault)
+     ├── ProxyHTTPError           an HTTP error answer the proxy gives, with its status and the field at fault
+     │                            (proxy/errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
+     └── TransientAnswer          a try whose answer arrived but is to be retried (_retry.py; carries the answer)
 
+The classes without a module here are defined in this file; the others live beside the code that raises them.
 Foreign errors (sqlite3, httpx, torch, Ray) are translated at the boundary with ``raise ... from exc``.
 """
 
@@ -36,6 +46,7 @@ __all__ = [
     "LightningSDKError",
     "NotFoundError",
     "RecordError",
+    "RunStopped",
     "SandboxError",
     "StoreError",
     "StoreUnavailableError",
@@ -111,6 +122,14 @@ class EngineError(LightningSDKError):
 
 class TrainerError(LightningSDKError):
     """The learner or the trainer daemon failed."""
+
+
+class RunStopped(TrainerError):
+    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"stopped at step {step}")
+        self.step = step
 
 
 class SandboxError(LightningSDKError):

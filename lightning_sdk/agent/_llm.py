@@ -30,6 +30,9 @@ class LLM(BaseModel):
     base_url: str
     api_key: str
     model: str = "policy"
+    fallback_urls: tuple[str, ...] = ()
+    """More base URLs of the same service (proxies that share one store): ``async_openai_client`` fails over to
+    them when ``base_url`` cannot be reached or dies mid-call."""
 
     @classmethod
     def from_env(cls, *, model: str | None = None) -> LLM:
@@ -70,7 +73,7 @@ class LLM(BaseModel):
         if "http_client" not in kwargs:
             from lightning_sdk.agent._transport import openai_http_client
 
-            kwargs["http_client"] = openai_http_client()
+            kwargs["http_client"] = openai_http_client((self.base_url, *self.fallback_urls))
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def langchain_chat(self, **kwargs: Any) -> Any:

@@ -150,15 +150,60 @@ Http1Transport: type[httpx.AsyncBaseTransport] = _transport_class(httpx)
 """``httpx.AsyncClient(transport=Http1Transport())``: plain-HTTP requests on ``Http1Pool`` (module docstring)."""
 
 
-def openai_http_client() -> Any:
+def openai_http_client(base_urls: tuple[str, ...] = ()) -> Any:
     """An HTTP client for ``openai.AsyncOpenAI(http_client=...)`` with its requests on ``Http1Pool``: the SDK's
     default client (its timeouts and limits) over ``Http1Transport`` built for the httpx the SDK uses (``httpx2``
-    for openai 3, ``httpx`` before)."""
+    for openai 3, ``httpx`` before). ``base_urls`` (two or more): fail over between them (``_failover_class``)."""
     import openai
 
     base = openai.DefaultAsyncHttpxClient
     hx = sys.modules[next(c for c in base.__mro__ if c.__name__ == "AsyncClient").__module__.split(".")[0]]
-    return base(transport=_transport_for(hx)())
+    transport = _transport_for(hx)()
+    if len(base_urls) > 1:
+        transport = _failover_class(hx)(transport, base_urls)
+    return base(transport=transport)
+
+
+def _failover_class(hx: Any) -> Any:
+    """A transport over several base URLs of proxies that share one store (docs/scale-out.md): a request to one of
+    them that fails to connect or is cut off before its answer (the proxy died) is sent to the next, and the one
+    that answered is tried first from then on. Only connection failures move on: an HTTP error answer is returned.
+    A call a dead proxy had committed but not answered is made again on the next (a new call; docs/scale-out.md)."""
+    moving_on = (hx.ConnectError, hx.RemoteProtocolError, hx.ReadError, hx.WriteError)
+
+    class FailoverTransport(hx.AsyncBaseTransport):  # type: ignore[misc]
+        def __init__(self, inner: Any, base_urls: tuple[str, ...]) -> None:
+            self.inner = inner
+            self.bases = [u.rstrip("/") for u in base_urls]
+            self.current = 0
+
+        async def handle_async_request(self, request: Any) -> Any:
+            url = str(request.url)
+            origin = next((b for b in self.bases if url.startswith(b)), None)
+            if origin is None:
+                return await self.inner.handle_async_request(request)
+            rest = url[len(origin) :]
+            body = request.content  # already read: the SDK sends bytes
+            headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
+            last: BaseException | None = None
+            for k in range(len(self.bases)):
+                i = (self.current + k) % len(self.bases)
+                req = hx.Request(request.method, self.bases[i] + rest, headers=headers, content=body,
+                                 extensions=request.extensions)  # fmt: skip
+                try:
+                    response = await self.inner.handle_async_request(req)
+                except moving_on as exc:
+                    last = exc
+                    continue
+                self.current = i
+                return response
+            assert last is not None
+            raise last
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    return FailoverTransport
 
 
 _classes: dict[str, Any] = {"httpx": Http1Transport}

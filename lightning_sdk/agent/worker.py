@@ -108,12 +108,16 @@ class WorkerPool:
         split: str | None = None,
         on_result: Callable[[AttemptResult], None] | None = None,
         client: ServerClient | None = None,
+        fallback_urls: tuple[str, ...] = (),
     ) -> None:
+        """``fallback_urls``: the roots of more proxies on the same store; the agents' ``LLM`` fails over to them
+        (docs/scale-out.md)."""
         if n_workers < 1:
             raise LightningSDKError(f"n_workers must be >= 1, got {n_workers}")
         self.agent = agent
         self.store = store
         self.server_url = server_url.rstrip("/")
+        self.fallback_urls = tuple(f"{u.rstrip('/')}/v1" for u in fallback_urls)
         self.n_workers = n_workers
         self.model = model
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
@@ -244,7 +248,9 @@ class WorkerPool:
     # -- one attempt ---------------------------------------------------------------------------------------------
     async def _run_one(self, claim: Claim) -> AttemptResult:
         attempt, rollout = claim.attempt, claim.rollout
-        llm = LLM(base_url=f"{self.server_url}/v1", api_key=attempt.token, model=self.model)
+        llm = LLM(
+            base_url=f"{self.server_url}/v1", api_key=attempt.token, model=self.model, fallback_urls=self.fallback_urls
+        )
         ctx = AttemptContext(attempt.attempt_id, rollout.rollout_id, rollout.task, llm, server_url=self.server_url)
         timeout = self.agent.timeout if self.agent.timeout is not None else self.default_timeout
         started = time.monotonic()

@@ -26,6 +26,7 @@ from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import Job, open_job
 from lightning_sdk.app.loop import RunStopped, StepReport, never
 from lightning_sdk.app.view import ProgressView
+from lightning_sdk.app.warmup import run_warm_start
 from lightning_sdk.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ async def run_daemon(
         config, run_dir, view=view, admin_key=admin_key, on_ready=on_ready, require_train=False, max_attempts=tries
     ) as job:
         if job.needs_warm_start and not stop():
-            await job.warm_start(load_agent(config.resolve(config.agent)), stop)
+            await run_warm_start(job, load_agent(config.agent), stop)
         job.view.set_phase("waiting for workers")
         placed = await _place_workers(job) if cluster.ray else None
         steps: list[asyncio.Task[None]] = []
@@ -73,6 +74,9 @@ async def run_daemon(
             raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
         if placed is not None:
+            check = getattr(job.parts.engine, "check", None)
+            if check is not None:  # every engine back and serving the last version (a restart is in its events)
+                await check()
             summary = {
                 "steps": job.loop.step,
                 "wall_s": round(time.perf_counter() - t0, 2),
@@ -112,8 +116,20 @@ async def _place_workers(job: Job) -> _Placed:
     from lightning_sdk.cluster import ClusterRun
 
     config = job.config
-    run = ClusterRun.start(config.cluster, config.resolve(config.agent), job.server.url, job.admin_key)
+    run = await ClusterRun.start(
+        config.cluster,
+        config.agent,
+        job.server.url,
+        job.admin_key,
+        engine=job.parts.engine,
+        model_dir=job.model_dir,
+        sampling=job.sampling,
+        host=config.host,
+    )
     placed = _Placed(job, run)
     await placed.write(job.out)
-    job.view.note(f"{config.cluster.workers} worker actors on the Ray cluster ({job.out / 'cluster.json'})")
+    job.view.note(
+        f"{config.cluster.proxies} proxy and {config.cluster.workers} worker actors on the Ray cluster "
+        f"({job.out / 'cluster.json'})"
+    )
     return placed

@@ -26,22 +26,10 @@ steps in another, so the event loop (proxy, store, workers) never waits for eith
    learner does not wait for that). See ``trainer/checkpoint.py`` for why this order makes a killed run resume
    with no group trained twice and none lost.
 
-The loop also feeds the queue: it enqueues train tasks (client-chosen group ids ``train-<k>``, so a restart never
-enqueues one twice) to keep about ``(1 + max_staleness) * tasks_per_step`` groups outstanding (not yet trained,
-dropped or screened out).
-
-Groups sized to the task (``screen_samples`` = k > 0): a group on a task never run before starts with k rollouts.
-When its k rewards all agree it is *screened out*: consumed with the next step, never trained, its generation
-stopped at k of ``samples_per_task``. When they differ, the loop enqueues the rest of the group (``samples_per_task
-- k`` rollouts, group id ``train-<k>-rest``, idempotent) and trains both as one group of ``samples_per_task``
-rollouts once both finished: the advantages see all of them, the screening rollouts first. Every decision is a
-function of what the store holds (group sizes, finished rollouts, rewards), so a restart takes it again and asks
-for a rest group that already exists, which is a no-op. Replays (``trainer/sampling.py``: their task's last group
-had variance) run full groups at once. Screened-out groups do not count towards ``tasks_per_step``: each step
-still trains that many full groups. The fresh-task success the target check watches counts only the k screening
-rollouts of each fresh task (screened out or not), so every task weighs the same whatever its group grew to.
-Staleness: the rest is asked for only once the first rollouts finished and waits behind the groups already queued,
-so a grown group's first rollouts may be one version older than ``max_staleness`` (its rest is held to the bound).
+Which groups run next is the schedule's (``app/schedule.py``: the feed that keeps about ``(1 + max_staleness) *
+tasks_per_step`` groups outstanding, the task sampler's replays, screening with ``screen_samples`` and the rests it
+asks for); the loop waits for what it finds and trains it. Each phase of a step is timed by ``StepClock.phase``
+into the step's report (``wait_s``, ``records_s``, ``learner_s``, ``save_s``, ``publish_s``).
 
 ``run_rl`` runs the in-process agent workers (``RLWorkers``) around ``train_steps`` and, with a target gain
 (``[rl] target_gain``, ``trainer/stopping.py``), pauses for held-out checks (``evaluate``); ``lightning-sdk train``
@@ -58,29 +46,29 @@ or a checkpoint directory for a server), so this loop never asks which backend i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_sdk.agent import WorkerPool, run_tasks
-from lightning_sdk.agent._base import Agent
-from lightning_sdk.agent.tasks import rollout_reward
-from lightning_sdk.errors import TrainerError
+from lightning_sdk.agent import Agent, WorkerPool, run_tasks
+from lightning_sdk.app.schedule import Schedule, Taken, generated_tokens, group_ids, group_version
+from lightning_sdk.errors import RunStopped
 from lightning_sdk.monitoring import OpsMetrics
-from lightning_sdk.records import AdvantageConfig, BuildResult, RecordsConfig, build_records
-from lightning_sdk.store._events import AttemptEnds
-from lightning_sdk.store.base import Store
+from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
+from lightning_sdk.store import AttemptEnds, Store
 from lightning_sdk.telemetry import StepSpan, Telemetry
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from lightning_sdk.trainer.config import RLConfig
+from lightning_sdk.trainer.sampling import TaskSampler
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 from lightning_sdk.types import FinishedGroup, PolicyVersion
 
 if TYPE_CHECKING:
-    from lightning_sdk.app.parts import LearnerLike, ServingEngine
-    from lightning_sdk.trainer.sampling import TaskSampler
+    from lightning_sdk.app.parts import LearnerLike, Parts, ServingEngine
 
 __all__ = [
     "RLResult",
@@ -91,18 +79,11 @@ __all__ = [
     "evaluate",
     "group_version",
     "never",
+    "records_config",
     "run_rl",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-class RunStopped(TrainerError):
-    """The run was asked to stop (``stop()`` turned true) before it finished; ``step`` is the last checkpointed one."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"stopped at step {step}")
-        self.step = step
 
 
 def never() -> bool:
@@ -110,58 +91,24 @@ def never() -> bool:
     return False
 
 
-def group_version(group: FinishedGroup) -> int | None:
-    """The oldest policy version that sampled any call of the group (None: no policy calls)."""
-    versions = [
-        c.policy_version
-        for d in group.rollouts
-        for a in d.attempts
-        for c in a.calls
-        if c.is_policy and c.policy_version is not None
-    ]
-    return min(versions) if versions else None
-
-
 def _engine_busy(engine: Any) -> float:
     """Seconds the engine spent generating so far (0 for engines that do not count it)."""
     return float(getattr(engine, "stats", {}).get("busy_s", 0.0))
 
 
-def _rewards_of(group: FinishedGroup) -> list[float]:
-    """The final reward of each rollout's succeeded attempt (rollouts without one are left out)."""
-    return [r for r in map(rollout_reward, group.rollouts) if r is not None]
-
-
-REST = "-rest"
-"""The group id suffix of the rest of a screened group: ``train-<k>-rest`` completes ``train-<k>``."""
-
-
-def group_ids(group: FinishedGroup) -> list[str]:
-    """The store's group ids behind ``group``: its own, then its rest group's when it was merged with one."""
-    return list(dict.fromkeys([group.group.group_id, *(d.rollout.group_id for d in group.rollouts)]))
-
-
-def merge_rest(base: FinishedGroup, rest: FinishedGroup) -> FinishedGroup:
-    """A screened group and its rest as one group (the screening rollouts first), trained as one: its id and task
-    are the screening group's, its ``n`` the sum."""
-    group = base.group.model_copy(update={"n": base.group.n + rest.group.n})
-    return FinishedGroup(group, [*base.rollouts, *rest.rollouts])
-
-
-def generated_tokens(group: FinishedGroup) -> int:
-    """Completion tokens the policy generated for the group (every attempt, trained or not)."""
-    return sum(len(c.completion_ids) for d in group.rollouts for a in d.attempts for c in a.calls if c.is_policy)
-
-
-@dataclass
-class Taken:
-    """What one wait for groups found: ``fresh`` (to train, oldest first), ``stale`` (to drop), ``screened``
-    (screened out: their first rollouts all agreed) and ``extend`` (screening groups whose rest is due)."""
-
-    fresh: list[FinishedGroup] = field(default_factory=list)
-    stale: list[FinishedGroup] = field(default_factory=list)
-    screened: list[FinishedGroup] = field(default_factory=list)
-    extend: list[FinishedGroup] = field(default_factory=list)
+def records_config(rl: RLConfig, engine: object) -> RecordsConfig:
+    """How the loop builds records: the ``[rl]`` section's advantage settings (same names as ``AdvantageConfig``'s),
+    and rows never longer than the engine's context (``max_model_len`` where the engine tells it): a longer segment
+    is cut and flagged ``truncated``, which the fidelity report counts, so no row is trained past the context."""
+    limit = getattr(engine, "max_model_len", None)
+    return RecordsConfig(
+        merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
+        advantage=AdvantageConfig(
+            estimator=rl.estimator,
+            drop_zero_variance=rl.drop_zero_variance,
+            train_single_groups=rl.train_single_groups,
+        ),
+    )
 
 
 @dataclass
@@ -204,6 +151,40 @@ class StepReport:
         return out
 
 
+class StepClock:
+    """The clocks of one training step: ``phase(name)`` adds the seconds its block took to ``seconds[name]``
+    (``wait_s``, ``records_s``, ``learner_s``, ``save_s``, ``publish_s``: ``StepReport``'s fields); ``wall``,
+    ``cpu`` (the event-loop thread's), ``tokens`` and ``engine_busy`` count from the clock's start."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self.engine = engine
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+        self._cpu = time.thread_time()
+        self._tokens = engine.stats["tokens"]
+        self._busy = _engine_busy(engine)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def wall(self) -> float:
+        return time.perf_counter() - self._start
+
+    def cpu(self) -> float:
+        return time.thread_time() - self._cpu
+
+    def tokens(self) -> int:
+        return self.engine.stats["tokens"] - self._tokens
+
+    def engine_busy(self) -> float:
+        return _engine_busy(self.engine) - self._busy
+
+
 class TrainingLoop:
     """The RL loop over a store, a serving engine and a learner; ``url`` is the proxy the agents call (served by the
     job: ``app/server.py``). ``resume`` first, then ``train_steps`` (or ``run_rl`` with in-process workers)."""
@@ -226,10 +207,6 @@ class TrainingLoop:
         sampler: TaskSampler | None = None,
         screen_samples: int = 0,
     ) -> None:
-        if screen_samples and not 2 <= screen_samples < samples_per_task:
-            raise ValueError(
-                f"screen_samples {screen_samples} must be 0 (off) or in [2, samples_per_task = {samples_per_task})"
-            )
         self.store = store
         self.engine = engine
         self.learner = learner
@@ -238,29 +215,66 @@ class TrainingLoop:
         self.weights: Callable[[], Any] = weights or learner.weights
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.train_tasks = list(train_tasks)
+        # which groups run next and what a read of finished groups holds: app/schedule.py
+        self.schedule = Schedule(
+            store,
+            train_tasks,
+            tasks_per_step=tasks_per_step,
+            samples_per_task=samples_per_task,
+            max_staleness=max_staleness,
+            screen_samples=screen_samples,
+            sampler=sampler,
+            max_attempts=max_attempts,
+        )
         self.tasks_per_step = tasks_per_step
-        self.samples_per_task = samples_per_task
-        self.max_attempts = max_attempts  # tries per train rollout (a crashed attempt is retried, never trained)
-        self.max_staleness = max_staleness
-        # the first rollouts of a fresh task's group; the rest only when they disagree (0: whole groups at once)
-        self.screen_samples = screen_samples
         self.records_config = records_config or RecordsConfig(advantage=AdvantageConfig(drop_zero_variance=True))
         self.step = 0
         self.version = engine.policy_version
-        self.next_task = 0
-        # which task each new group runs (None: the train tasks in order); see trainer/sampling.py
-        self.sampler = sampler
         self.consumed: dict[int, dict[str, list[str]]] = {}
         self.dropped_total = 0
-        self._extended: set[str] = set()  # screening groups whose rest this process enqueued
         self._read_limit = 4 * tasks_per_step + 64  # finished groups per read (grows: see _take_groups)
-        self._screened_waiting = 0  # screened-out groups the last read found, consumed with the next step
         self.learner_busy_s = 0.0
         self._next_weights: tuple[Any, int] | None = None
         self._publisher: asyncio.Task[None] | None = None
         self.ops: OpsMetrics | None = None  # the job's Prometheus metrics (learner, staleness, publication)
         self.telemetry: Telemetry | None = None  # the job's span exporter ([telemetry]; None: off)
+
+    @classmethod
+    def configured(
+        cls,
+        store: Store,
+        parts: Parts,
+        run_dir: str | Path,
+        rl: RLConfig,
+        *,
+        train_tasks: Sequence[dict[str, Any]] = (),
+        url: str = "",
+        max_attempts: int = 1,
+    ) -> TrainingLoop:
+        """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
+        ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
+        built = records_config(rl, parts.engine)
+        sampler = (
+            TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
+            if rl.replay_share > 0 and train_tasks
+            else None
+        )
+        return cls(
+            store,
+            parts.engine,
+            parts.learner,
+            run_dir,
+            url=url,
+            weights=parts.weights,
+            train_tasks=train_tasks,
+            tasks_per_step=rl.tasks_per_step,
+            samples_per_task=rl.samples_per_task,
+            max_staleness=rl.max_staleness,
+            records_config=built,
+            max_attempts=max_attempts,
+            sampler=sampler,
+            screen_samples=rl.screen_samples,
+        )
 
     async def resume(self) -> None:
         """Resume from the run directory's checkpoint if any (learner state, step, version, the groups consumed, the
@@ -270,7 +284,8 @@ class TrainingLoop:
             await self.store.publish_version(PolicyVersion(version=self.version, step=0))
             return
         self.learner.load_state_dict(ckpt.learner)
-        self.step, self.version, self.next_task, self.consumed = ckpt.step, ckpt.version, ckpt.next_task, ckpt.consumed
+        self.step, self.version, self.consumed = ckpt.step, ckpt.version, ckpt.consumed
+        self.schedule.resume_at(ckpt.next_task)  # new groups continue after the last enqueued one
         if ckpt.step in ckpt.consumed:  # the crash may have hit between the checkpoint and the store update
             await self.store.consume_groups(ckpt.step, ckpt.groups_of(ckpt.step))
         await self.engine.update_weights(await asyncio.to_thread(self.weights), self.version)
@@ -280,70 +295,7 @@ class TrainingLoop:
     # -- the queue -----------------------------------------------------------------------------------------------
     async def feed(self) -> None:
         """Enqueue train tasks until ``(1 + max_staleness) * tasks_per_step`` groups are outstanding."""
-        if not self.train_tasks:
-            return
-        consumed = self._screened_waiting + sum(
-            1
-            for v in self.consumed.values()
-            for key in ("trained", "dropped", "screened")
-            for gid in v.get(key, [])
-            if not gid.endswith(REST)  # a rest group is part of its task's group, counted once
-        )
-        want = (1 + self.max_staleness) * self.tasks_per_step - (self.next_task - consumed)
-        if want <= 0:
-            return
-        ks = range(self.next_task, self.next_task + want)
-        if self.sampler is not None:
-            tasks = [self.train_tasks[self.sampler.pick(f"train-{k}")] for k in ks]
-        else:
-            tasks = [self.train_tasks[k % len(self.train_tasks)] for k in ks]
-        sizes = [self._first_size(f"train-{k}") for k in ks]
-        i = 0
-        while i < len(tasks):  # runs of equal size, in order
-            j = i
-            while j < len(tasks) and sizes[j] == sizes[i]:
-                j += 1
-            await self.store.enqueue(
-                tasks[i:j],
-                n=sizes[i],
-                split="train",
-                max_attempts=self.max_attempts,
-                group_ids=[f"train-{k}" for k in ks[i:j]],
-            )
-            i = j
-        self.next_task += want
-
-    def _on_fresh_task(self, group_id: str) -> bool:
-        """Whether the group runs a task never trained on (the sampler's word; without a sampler every group does,
-        and a group the sampler does not know counts as fresh)."""
-        return self.sampler is None or self.sampler.is_fresh(group_id) is not False
-
-    def _first_size(self, group_id: str) -> int:
-        """How many rollouts a new group starts with: ``screen_samples`` on a fresh task, else the whole group."""
-        if not self.screen_samples:
-            return self.samples_per_task
-        return self.screen_samples if self._on_fresh_task(group_id) else self.samples_per_task
-
-    def _is_screening(self, group: FinishedGroup) -> bool:
-        """A group that started smaller than a whole group (and is not a rest): its first rollouts decide."""
-        return (
-            self.screen_samples > 0
-            and group.group.n < self.samples_per_task
-            and not group.group.group_id.endswith(REST)
-        )
-
-    async def _extend(self, groups: list[FinishedGroup]) -> None:
-        """Enqueue the rest of each screening group whose first rollouts disagreed (idempotent on the rest's id)."""
-        todo = [g for g in groups if g.group.group_id not in self._extended]
-        for g in todo:
-            await self.store.enqueue(
-                [g.group.task],
-                n=self.samples_per_task - g.group.n,
-                split="train",
-                max_attempts=self.max_attempts,
-                group_ids=[g.group.group_id + REST],
-            )
-            self._extended.add(g.group.group_id)
+        await self.schedule.feed(self.consumed)
 
     # -- one step ------------------------------------------------------------------------------------------------
     async def _take_groups(self, stop: Callable[[], bool]) -> tuple[Taken, float]:
@@ -368,9 +320,9 @@ class TrainingLoop:
                 seen = ends.count if ends is not None else 0  # before the read: an end during it reads again
                 last_read = time.perf_counter()
                 finished = await self.store.finished_groups(limit=self._read_limit, split="train")
-                taken = self._split_fresh(finished)
-                self._screened_waiting = len(taken.screened)
-                await self._extend(taken.extend)
+                taken = self.schedule.split(finished, self.version)
+                self.schedule.screened_waiting = len(taken.screened)
+                await self.schedule.extend(taken.extend)
                 if len(taken.fresh) >= self.tasks_per_step:
                     return taken, time.perf_counter() - t0
                 if len(finished) >= self._read_limit and self._read_limit < self.MAX_READ:
@@ -396,122 +348,84 @@ class TrainingLoop:
         """The least time between two reads of the finished groups: longer while many groups are missing."""
         return 0.05 if missing <= 2 else min(0.4, 0.05 * missing)
 
-    def _is_stale(self, group: FinishedGroup) -> bool:
-        """Sampled more than ``max_staleness`` versions ago. A grown group's rest is held to that bound and its
-        screening rollouts to one version more: the rest is asked for only once they finished, and waits in the
-        queue behind the groups enqueued before it."""
-        gid = group.group.group_id
-        rest = [d for d in group.rollouts if d.rollout.group_id != gid]
-        if not rest:
-            v = group_version(group)
-            return v is not None and self.version - v > self.max_staleness
-        first = FinishedGroup(group.group, [d for d in group.rollouts if d.rollout.group_id == gid])
-        v_first, v_rest = group_version(first), group_version(FinishedGroup(group.group, rest))
-        return (v_first is not None and self.version - v_first > self.max_staleness + 1) or (
-            v_rest is not None and self.version - v_rest > self.max_staleness
-        )
-
-    def _split_fresh(self, finished: list[FinishedGroup]) -> Taken:
-        """The oldest ``tasks_per_step`` groups within ``max_staleness`` versions (a screening group merged with
-        its finished rest), every staler group, the screened-out groups and the screening groups due a rest.
-
-        A screening group whose first rollouts disagree but that is stale already is dropped without a rest; a rest
-        whose screening group is no longer waiting (dropped stale meanwhile: it finished before its rest was asked
-        for, so it would be in ``finished``, which is oldest first) is dropped too."""
-        by_id = {g.group.group_id: g for g in finished}
-        out = Taken()
-        for g in finished:
-            gid = g.group.group_id
-            if gid.endswith(REST):
-                if gid[: -len(REST)] not in by_id:
-                    out.stale.append(g)
-                continue
-            if self._is_screening(g):
-                rest = by_id.get(gid + REST)
-                if rest is None:
-                    rewards = _rewards_of(g)
-                    if not (len(rewards) >= 2 and max(rewards) > min(rewards)):
-                        out.screened.append(g)  # never trained, however old
-                    elif self._is_stale(g):  # no room left for its rest within the bound
-                        out.stale.append(g)
-                    else:
-                        out.extend.append(g)
-                    continue
-                g = merge_rest(g, rest)
-            if self._is_stale(g):
-                out.stale.append(g)
-            elif len(out.fresh) < self.tasks_per_step:
-                out.fresh.append(g)
-        return out
-
     async def train_step(self, stop: Callable[[], bool] = lambda: False) -> StepReport | None:
         """Run one training step (see the module docstring); None when ``stop()`` turned true before it could."""
-        wall_start = time.time()
-        t_start = time.perf_counter()
-        cpu_start = time.thread_time()
-        tokens_before = self.engine.stats["tokens"]
-        busy_before = _engine_busy(self.engine)
-        taken, waited = await self._take_groups(stop)
-        fresh, stale, screened = taken.fresh, taken.stale, taken.screened
-        if len(fresh) < self.tasks_per_step:
+        clock = StepClock(self.engine)
+        wall_start = time.time()  # the step span's clock (telemetry)
+        with clock.phase("wait_s"):
+            taken, _ = await self._take_groups(stop)
+        if len(taken.fresh) < self.tasks_per_step:
             return None
         step = self.step + 1
-        t_records = time.perf_counter()
-        built = build_records(fresh, self.records_config)
-        new_groups, new_outcomes = self._observe(fresh, stale, screened, built.reports)
+        with clock.phase("records_s"):  # the learner's own batch building counts in learner_s
+            built = build_records(taken.fresh, self.records_config)
+            seen = self.schedule.observe(taken.fresh, taken.stale, taken.screened, built.reports)
+            staleness = [self.version - (group_version(g) or self.version) for g in taken.fresh]
+        with clock.phase("learner_s"):
+            metrics = await asyncio.to_thread(self.learner.step, built.records) if built.records else {}
+        new_version = self.version + 1 if built.records else self.version
+        with clock.phase("save_s"):
+            await self._checkpoint(step, new_version, taken)
+        wall_publish, published = time.time(), new_version != self.version
+        with clock.phase("publish_s"):
+            await self._publish_version(new_version)
+        if self.telemetry is not None:
+            self._step_spans(step, built, taken.fresh, metrics, staleness, wall_start, wall_publish, published)
+        self.learner_busy_s += clock.seconds["learner_s"]
+        self.dropped_total += len(taken.stale)
+        if self.ops is not None:
+            trained = bool(built.records)
+            learner_s, publish_s = clock.seconds["learner_s"], clock.seconds["publish_s"]
+            self.ops.training_step(learner_s if trained else None, publish_s if trained else None, staleness)
+        return await self._report(taken, built, staleness, seen, metrics, clock)
+
+    async def _checkpoint(self, step: int, new_version: int, taken: Taken) -> None:
+        """Write the checkpoint (weights, optimizer, step, the step's groups), then consume the groups in the store:
+        a run killed between the two resumes with the step's groups consumed again (``resume``)."""
+        entry = {
+            "trained": [gid for g in taken.fresh for gid in group_ids(g)],
+            "dropped": [gid for g in taken.stale for gid in group_ids(g)],
+        }
+        if taken.screened:
+            entry["screened"] = [g.group.group_id for g in taken.screened]
+        self.consumed[step] = entry
+        ckpt = Checkpoint(step, new_version, self.learner.state_dict(), self.consumed, self.schedule.next_task)
+        await asyncio.to_thread(save_checkpoint, self.run_dir, ckpt)
+        await self.store.consume_groups(step, [gid for ids in entry.values() for gid in ids])
+        self.step = step
+        self.schedule.consumed(entry["trained"] + entry["dropped"])
+
+    async def _publish_version(self, new_version: int) -> None:
+        """A new version (the learner stepped): hand its weights to the engine (swapped in on its own time) and
+        publish it in the store."""
+        if new_version == self.version:
+            return
+        self.version = new_version
+        self._publish(await asyncio.to_thread(self.weights), new_version)
+        await self.store.publish_version(PolicyVersion(version=new_version, step=self.step))
+
+    async def _report(
+        self,
+        taken: Taken,
+        built: BuildResult,
+        staleness: list[int],
+        seen: tuple[int, list[float]],
+        metrics: dict[str, float],
+        clock: StepClock,
+    ) -> StepReport:
+        """The step's row of metrics.jsonl."""
+        fresh, stale, screened = taken.fresh, taken.stale, taken.screened
+        new_groups, new_outcomes = seen
         taught = {r.group_id for r in built.records}
         useless = [g for g in fresh if g.group.group_id not in taught] + stale + screened
         every = fresh + stale + screened
         rewards = [r.reward for r in built.reports if r.reward is not None]
         finals = [r.final_reward for r in built.reports if r.final_reward is not None]  # per-call rewards left out
         n_rollouts = sum(len(g.rollouts) for g in fresh)
-        staleness = [self.version - (group_version(g) or self.version) for g in fresh]
-        metrics: dict[str, float] = {}
-        learner_s = 0.0
-        records_s = time.perf_counter() - t_records  # the learner's own batch building counts in learner_s
-        if built.records:
-            t0 = time.perf_counter()
-            metrics = await asyncio.to_thread(self.learner.step, built.records)  # the learner builds its batch
-            learner_s = time.perf_counter() - t0
-            self.learner_busy_s += learner_s
-            new_version = self.version + 1
-        else:
-            new_version = self.version
-        self.consumed[step] = {
-            "trained": [gid for g in fresh for gid in group_ids(g)],
-            "dropped": [gid for g in stale for gid in group_ids(g)],
-        }
-        if screened:
-            self.consumed[step]["screened"] = [g.group.group_id for g in screened]
-        t_save = time.perf_counter()
-        await asyncio.to_thread(
-            save_checkpoint,
-            self.run_dir,
-            Checkpoint(step, new_version, self.learner.state_dict(), self.consumed, self.next_task),
-        )
-        await self.store.consume_groups(step, [gid for ids in self.consumed[step].values() for gid in ids])
-        self.step = step
-        self._screened_waiting = 0
-        self._extended.difference_update(self.consumed[step]["trained"] + self.consumed[step]["dropped"])
-        t_publish = time.perf_counter()
-        wall_publish = time.time()
-        save_s = t_publish - t_save
-        published = new_version != self.version
-        if published:
-            self.version = new_version
-            self._publish(await asyncio.to_thread(self.weights), new_version)
-            await self.store.publish_version(PolicyVersion(version=new_version, step=step))
-        publish_s = time.perf_counter() - t_publish
-        if self.telemetry is not None:
-            self._step_spans(step, built, fresh, metrics, staleness, wall_start, wall_publish, published)
-        self.dropped_total += len(stale)
         counts = await self.store.counts()
-        wall = time.perf_counter() - t_start
-        if self.ops is not None:
-            trained = bool(built.records)
-            self.ops.training_step(learner_s if trained else None, publish_s if trained else None, staleness)
+        wall = clock.wall()
         return StepReport(
-            step=step,
+            step=self.step,
             version=self.version,
             wall_s=wall,
             groups=len(fresh),
@@ -523,14 +437,10 @@ class TrainingLoop:
             staleness_max=max(staleness, default=0),
             zero_variance_groups=built.zero_variance_groups,
             queue_depth=int(counts.get("queued", 0)),
-            tokens_per_s=(self.engine.stats["tokens"] - tokens_before) / max(wall, 1e-9),
-            learner_s=learner_s,
-            wait_s=waited,
-            records_s=records_s,
-            save_s=save_s,
-            publish_s=publish_s,
-            engine_busy_s=_engine_busy(self.engine) - busy_before,
-            loop_cpu_s=time.thread_time() - cpu_start,
+            tokens_per_s=clock.tokens() / max(wall, 1e-9),
+            **clock.seconds,
+            engine_busy_s=clock.engine_busy(),
+            loop_cpu_s=clock.cpu(),
             fresh_groups=new_groups,
             screened_groups=len(screened),
             rollouts=sum(len(g.rollouts) for g in every),
@@ -541,45 +451,6 @@ class TrainingLoop:
             metrics=metrics,
             fresh_outcomes=new_outcomes,
         )
-
-    def _observe(
-        self,
-        fresh: list[FinishedGroup],
-        stale: list[FinishedGroup],
-        screened: list[FinishedGroup],
-        reports: Sequence[Any],
-    ) -> tuple[int, list[float]]:
-        """Tell the sampler each consumed group's rewards; returns (trained groups on never-trained tasks, the
-        outcomes of the fresh tasks' rollouts). Without a sampler every group counts as fresh. A screened or grown
-        group gives only its screening rollouts' outcomes, so each fresh task counts the same number of them."""
-        by_rollout: dict[str, float] = {}
-        for r in reports:
-            if r.final_reward is not None:  # the outcome: per-call rewards would count a half-fixed task as solved
-                by_rollout[r.rollout_id] = float(r.final_reward)
-        n_new, outcomes = 0, []
-        for g in fresh:
-            gid = g.group.group_id
-            rewards = [by_rollout[d.rollout.rollout_id] for d in g.rollouts if d.rollout.rollout_id in by_rollout]
-            if self._on_fresh_task(gid):
-                n_new += 1
-                first = [d for d in g.rollouts if d.rollout.group_id == gid]  # without the rest, if any
-                outcomes += [
-                    1.0 if by_rollout[d.rollout.rollout_id] > 0 else 0.0
-                    for d in first
-                    if d.rollout.rollout_id in by_rollout
-                ]
-            if self.sampler is not None:
-                self.sampler.observe(gid, rewards)
-        for g in screened:
-            rewards = _rewards_of(g)
-            if self._on_fresh_task(g.group.group_id):
-                outcomes += [1.0 if r > 0 else 0.0 for r in rewards]
-            if self.sampler is not None:
-                self.sampler.observe(g.group.group_id, rewards)
-        if self.sampler is not None:
-            for g in stale:  # still a sign of which tasks sit at the frontier
-                self.sampler.observe(g.group.group_id, _rewards_of(g))
-        return n_new, outcomes
 
     def _step_spans(
         self,

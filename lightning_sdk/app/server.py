@@ -88,11 +88,13 @@ class ProxyServer:
         model_name: str = "policy",
         metrics: OpsMetrics | None = None,
         run_dir: Path | None = None,
+        publish: bool = True,
         telemetry: Telemetry | None = None,
     ) -> None:
         """Serve the proxy (token mode over ``engine``, ``sampling`` per split; ``metrics`` at ``GET /metrics``)
         and publish it as a resource; with ``run_dir``, the run viewer at ``/lightning/v1/ui`` too (behind the
-        admin key); ``telemetry``: the proxy's call and attempt spans."""
+        admin key); ``telemetry``: the proxy's call and attempt spans. ``publish=False``: not published as the
+        policy's resource (a cluster's extra proxies)."""
         from lightning_sdk.proxy import create_app
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
@@ -122,7 +124,8 @@ class ProxyServer:
             if task.done():
                 raise TrainerError(f"the proxy could not start on {self.url}")
             await asyncio.sleep(0.02)
-        await store.set_resource(Resource(name=model_name, base_url=self.url + "/v1", kind="embedded"))
+        if publish:
+            await store.set_resource(Resource(name=model_name, base_url=self.url + "/v1", kind="embedded"))
 
     async def stop(self) -> None:
         """Stop serving (call it last: after the workers have finished or released their attempts)."""

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sdk.agent import CommandAgent, load_agent
-from lightning_sdk.app.job import open_job, split_sampling
+from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
+from lightning_sdk.app.warmup import run_warm_start
 from lightning_sdk.trainer.balance import ThreadBalance
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.data import load_rows
 from lightning_sdk.trainer.learner import Learner
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 
@@ -49,29 +49,29 @@ async def run_training(
 ) -> dict[str, Any]:
     """Run the main job (see the module docstring); returns the summary written to ``RUN_DIR/summary.json``.
     Raises ``RunStopped`` when ``stop()`` turned true first (no summary then; the checkpoint resumes)."""
-    agent = load_agent(config.resolve(config.agent))
-    heldout = load_rows(config, config.data.heldout, "data.heldout")[: config.eval.n] if config.eval.enabled else []
-    async with open_job(config, run_dir, view=view, max_attempts=agent.max_attempts) as job:
+    agent = load_agent(config.agent)
+    rl, ev = config.rl, config.eval
+    async with open_job(config, run_dir, view=view, heldout=True, max_attempts=agent.max_attempts) as job:
         loop, parts, metrics, view, out = job.loop, job.parts, job.metrics, job.view, job.out
-        note, t_start, timeline = view.note, job.t_start, job.timeline
+        note, t_start, timeline, heldout = view.note, job.t_start, job.timeline, job.tasks.heldout
         state_path = out / "state.json"
         state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
-        warm = await job.warm_start(agent, stop)
+        warm = await run_warm_start(job, agent, stop)
         if warm is not None:
             state["warm_start"] = warm
         job.mark("warm_start_end_s")
 
         async def held_out(split: str, label: str) -> dict[str, Any]:
             view.set_phase(f"evaluating {len(heldout)} held-out tasks ({label})")
-            return await evaluate(loop, agent, heldout, split, config.eval.workers, stop)
+            return await evaluate(loop, agent, heldout, split, ev.workers, stop)
 
         # The RL workers start with the evaluation before RL when it runs: the first groups are generated on the
         # weights being evaluated (nothing is trained before it ends), so the learner's first steps find them ready
         # instead of waiting for the whole first batch (loop.RLWorkers; run_rl takes them over and, with the same
         # setting, keeps them generating during the target checks).
         early: RLWorkers | None = None
-        if heldout and "eval_before" not in state and config.rl.generate_during_eval and config.rl.steps > loop.step:
-            early = await RLWorkers.start(loop, agent, config.rl.workers)
+        if heldout and "eval_before" not in state and rl.generate_during_eval and rl.steps > loop.step:
+            early = await RLWorkers.start(loop, agent, rl.workers)
             job.mark("rl_workers_start_s")
         try:
             if heldout and "eval_before" not in state:
@@ -83,18 +83,16 @@ async def run_training(
             view.set_phase("RL")
             job.mark("rl_start_s")
             target = (
-                GainTarget(state["eval_before"]["success_rate"], config.rl.target_gain, margin=config.rl.target_margin)
-                if config.rl.target_gain is not None and heldout and "eval_before" in state
+                GainTarget(state["eval_before"]["success_rate"], rl.target_gain, margin=rl.target_margin)
+                if rl.target_gain is not None and heldout and "eval_before" in state
                 else None
             )
 
             # RL ends early enough for the final evaluation (the evaluation before RL measures it), so with a target
             # that evaluation is a last check that runs before max_wall_s, whatever the trigger said
             budget = (
-                WallBudget(
-                    t_start + config.rl.max_wall_s, check_s=float(state.get("eval_before", {}).get("wall_s", 0.0))
-                )
-                if config.rl.max_wall_s
+                WallBudget(t_start + rl.max_wall_s, check_s=float(state.get("eval_before", {}).get("wall_s", 0.0)))
+                if rl.max_wall_s
                 else None
             )
 
@@ -125,11 +123,11 @@ async def run_training(
                 metrics.write(row)
                 view.step(report)
 
-            rl = await run_rl(
+            done = await run_rl(
                 loop,
                 agent,
-                steps=config.rl.steps,
-                workers=config.rl.workers,
+                steps=rl.steps,
+                workers=rl.workers,
                 on_step=on_step,
                 held_out=held_out,
                 target=target,
@@ -139,22 +137,22 @@ async def run_training(
                 on_rl=lambda: view.set_phase("RL"),
                 stop=stop,
                 running=early,
-                generate_during_checks=config.rl.generate_during_eval,
+                generate_during_checks=rl.generate_during_eval,
             )
         finally:
             if early is not None:  # run_rl closed them, unless something failed before it could
                 await early.close()
 
-        if rl.final is not None:  # the last check is the final evaluation: nothing was trained after it
-            state["eval_after"] = rl.final
-        if rl.reached is not None:
-            timeline["target_reached_s"] = rl.checks[-1]["elapsed_s"]
+        if done.final is not None:  # the last check is the final evaluation: nothing was trained after it
+            state["eval_after"] = done.final
+        if done.reached is not None:
+            timeline["target_reached_s"] = done.checks[-1]["elapsed_s"]
         state["rl"] = {
             "steps": loop.step,
-            "wall_s": round(rl.wall_s, 2),
+            "wall_s": round(done.wall_s, 2),
             "learner_busy_s": round(loop.learner_busy_s, 2),
-            "checks": rl.checks,
-            "stop": rl.stop,
+            "checks": done.checks,
+            "stop": done.stop,
         }
         if balance is not None:
             state["balance"] = balance.as_dict()
@@ -171,7 +169,7 @@ async def run_training(
     after = state.get("eval_after", {}).get("success_rate")
     all_rows = _read_metrics(out / "metrics.jsonl")
     curve = plot_reward_curve(all_rows, out / "reward_curve.png", before=before, after=after)
-    rules = split_sampling(config)
+    rules = job.sampling
     summary: dict[str, Any] = {
         "eval_before": state.get("eval_before") or dict(NO_EVAL),
         "eval_after": state.get("eval_after") or dict(NO_EVAL),

@@ -4,6 +4,8 @@
 TensorBoard (``RUN_DIR/tensorboard``) when it is installed, and to W&B / MLflow when asked for
 (``metrics = ["wandb"]`` in the config). ``ProgressView`` draws the current phase and the last
 steps in a rich ``Live`` table on a terminal, and falls back to one plain line per step elsewhere (CI logs).
+Under the table, a rich progress display: the current phase with a spinner and its elapsed time (the warm start, an
+evaluation, a vLLM/SGLang launch waiting for its server) and a bar of the RL steps done.
 ``plot_reward_curve`` writes ``RUN_DIR/reward_curve.png`` (matplotlib, headless).
 """
 
@@ -20,6 +22,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -101,6 +104,18 @@ class ProgressView:
         self.rows: deque[StepReport] = deque(maxlen=8)
         self.notes: list[str] = []
         self._live: Live | None = None
+        # the phase (a spinner with its elapsed time: a vLLM launch or an evaluation shows it is alive) and the
+        # RL steps done (a bar), drawn under the table
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._phase_task = self.progress.add_task("starting", total=None)
+        self._steps_task = self.progress.add_task("RL steps", total=max(1, total_steps), completed=0)
 
     def __enter__(self) -> ProgressView:
         if self.console.is_terminal:
@@ -118,6 +133,7 @@ class ProgressView:
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
+        self.progress.reset(self._phase_task, description=phase, total=None)  # its elapsed time starts again
         self._refresh()
         if self._live is None:
             self.console.print(f"{self.title}: {phase}", markup=False)
@@ -130,6 +146,7 @@ class ProgressView:
 
     def step(self, report: StepReport) -> None:
         self.rows.append(report)
+        self.progress.update(self._steps_task, completed=min(report.step, self.total_steps))
         self._refresh()
         if self._live is None:
             r = report
@@ -162,7 +179,7 @@ class ProgressView:
                 f"{r.metrics.get('loss', 0.0):+.4f}",
                 f"{r.wall_s:.1f}",
             )
-        return Group(table, *(Text(n) for n in self.notes[-6:]))
+        return Group(table, self.progress, *(Text(n) for n in self.notes[-6:]))
 
 
 def plot_reward_curve(

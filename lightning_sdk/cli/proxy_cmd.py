@@ -29,8 +29,7 @@ import typer
 
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import LightningSDKError
-from lightning_sdk.store import ADMIN_KEY_ENV
-from lightning_sdk.store._open import redact_url
+from lightning_sdk.store import ADMIN_KEY_ENV, redact_url
 
 if TYPE_CHECKING:
     from lightning_sdk.tokens import ChatRenderer

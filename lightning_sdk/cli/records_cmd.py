@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from lightning_sdk.cli._app import app
 from lightning_sdk.errors import ConfigError, LightningSDKError, RecordError
@@ -20,6 +22,7 @@ from lightning_sdk.records.report import render_report
 from lightning_sdk.records.segments import MergeOptions
 from lightning_sdk.store import iter_group_pages, open_store
 from lightning_sdk.store.base import Store
+from lightning_sdk.types import FinishedGroup
 
 logger = logging.getLogger(__name__)
 
@@ -52,19 +55,49 @@ async def _run(
     show: int,
     tokenizer: Any,
 ) -> ExportResult:
-    """Stream the store's groups a page at a time into ``out`` (memory bounded by a page, not the store)."""
+    """Stream the store's groups a page at a time into ``out`` (memory bounded by a page, not the store), with a
+    progress display of the groups and rollouts read (on stderr; a plain summary line where it is not a terminal)."""
     store = _open_store(spec, admin_key)
+    progress = export_progress()
     try:
-        return await export_stream(
-            lambda: iter_group_pages(store, split=split),
-            out,
-            config,
-            report=report,
-            keep_records=show,
-            check=None if tokenizer is None else (lambda records: _check_vocab(records, tokenizer)),
-        )
+        with progress:
+            return await export_stream(
+                lambda: counted_pages(iter_group_pages(store, split=split), progress),
+                out,
+                config,
+                report=report,
+                keep_records=show,
+                check=None if tokenizer is None else (lambda records: _check_vocab(records, tokenizer)),
+            )
     finally:
         await store.close()
+
+
+def export_progress() -> Progress:
+    """Groups and rollouts read so far, per pass over the store (a batch-wide estimator reads it twice)."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed} groups, {task.fields[rollouts]} rollouts"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
+
+
+async def counted_pages(
+    pages: AsyncIterator[list[FinishedGroup]], progress: Progress
+) -> AsyncIterator[list[FinishedGroup]]:
+    """``pages`` unchanged, each page counted on a new line of ``progress`` (one line per pass)."""
+    n = len(progress.tasks) + 1
+    task = progress.add_task(f"records: reading the store (pass {n})", total=None, rollouts=0)
+    groups = rollouts = 0
+    async for page in pages:
+        groups += len(page)
+        rollouts += sum(len(g.rollouts) for g in page)
+        progress.update(task, completed=groups, rollouts=rollouts)
+        yield page
+    progress.update(task, description=f"records: read the store (pass {n})", total=groups)
 
 
 @app.command("records")

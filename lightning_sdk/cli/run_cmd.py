@@ -23,8 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lightning_sdk.agent import load_agent
-from lightning_sdk.agent._base import Agent
+from lightning_sdk.agent import Agent, load_agent
 from lightning_sdk.agent.tasks import RunSummary, run_tasks
 from lightning_sdk.agent.worker import AttemptResult, WorkerPool, policy_model_name
 from lightning_sdk.cli._app import app

@@ -2,6 +2,7 @@
 
     driver (the daemon: store, proxy, training loop, embedded learner; verl's ranks are Ray actors of their own)
       ├── engine actors   (``[cluster] engines``, each needing ``engine_resource``: where the GPUs are)
+      ├── proxy actors    (``[cluster] proxies``, CPU nodes: token mode over the engine actors, the daemon's store)
       └── worker actors   (``[cluster] workers``, each running ``worker_concurrency`` agent workers, CPU nodes)
 
 Every actor is restarted by Ray when it dies (``max_restarts``). Ray is imported only here and only when a cluster

@@ -3,8 +3,10 @@
     connect(address)                 join the cluster (``ray.init``), this checkout's import path in the actors' env
     RayEngine.launch(config, ...)    ``engines`` engine actors, each needing ``{engine_resource: 1}``; the driver's
                                      ``ServingEngine``: a call goes to its attempt's engine (prefix cache)
-    ClusterRun.start(...)            ``workers`` worker actors, each a ``WorkerPool`` of ``worker_concurrency``
-                                     agent workers claiming train attempts from the daemon's store over HTTP
+    ClusterRun.start(...)            ``proxies`` proxy actors (token mode over the engine actors, recording into
+                                     the daemon's store over HTTP), then ``workers`` worker actors, each a
+                                     ``WorkerPool`` of ``worker_concurrency`` agent workers claiming train attempts
+                                     from the daemon's store and calling a proxy actor (or the daemon's proxy)
 
 An engine that dies (its process or its node) is restarted by Ray (``max_restarts``) on a node that has the
 resource. The calls it was serving fail inside ``RayEngine.generate``, which waits for the restarted actor, gives it
@@ -18,6 +20,7 @@ attempt never reads as succeeded, so nothing half-done is trained.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -106,6 +109,7 @@ class RayEngine:
         *,
         max_model_len: int | None = None,
         retry_s: float = 120.0,
+        watch: bool = True,
     ) -> None:
         if not handles:
             raise ConfigError("cluster.engines must be at least 1")
@@ -120,6 +124,8 @@ class RayEngine:
         self._t0 = time.monotonic()
         self._pids: list[int | None] = [None] * len(handles)  # each engine's process, as last seen
         self.events: list[dict[str, Any]] = []
+        self.watch_s = 1.0 if watch else 0.0  # 0: no watch (a proxy actor's view: the driver gives the weights)
+        self._watch: asyncio.Task[None] | None = None
 
     @classmethod
     def launch(
@@ -150,6 +156,11 @@ class RayEngine:
             ) from None
         return engine
 
+    @property
+    def handles(self) -> list[Any]:
+        """The engine actors (a proxy actor's ``RayEngine`` calls the same ones)."""
+        return list(self._handles)
+
     # -- ServingEngine -------------------------------------------------------------------------------------------------
     @property
     def policy_version(self) -> int:
@@ -159,12 +170,32 @@ class RayEngine:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
 
+    def _watching(self) -> None:
+        """Start the watch (on the first call: it needs the running loop)."""
+        if self.watch_s > 0 and (self._watch is None or self._watch.done()):
+            self._watch = asyncio.get_running_loop().create_task(self._watch_loop(), name="ray-engine-watch")
+
+    async def _watch_loop(self) -> None:
+        """Every ``watch_s``: an engine Ray restarted while no call was failing gets the served weights too (else it
+        would serve its initial weights until the next publication)."""
+        while self._handles:
+            await asyncio.sleep(self.watch_s)
+            for i, handle in enumerate(list(self._handles)):
+                try:
+                    where = await asyncio.wait_for(handle.where.remote(), 5.0)
+                except (*_DOWN, TimeoutError):
+                    continue  # down or restarting: looked at again next time
+                if where["pid"] != self._pids[i]:
+                    with contextlib.suppress(EngineError, *_DOWN):
+                        await self._recover(i, "restart seen by the watch", time.monotonic() + self.retry_s)
+
     def _pick(self, session_id: str | None) -> int:
         if session_id is None or len(self._handles) == 1:
             return 0
         return zlib.crc32(session_id.encode()) % len(self._handles)
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
+        self._watching()
         i = self._pick(session_id)
         deadline = time.monotonic() + self.retry_s
         self.stats["requests"] += 1
@@ -193,7 +224,7 @@ class RayEngine:
             policy_version=gen.policy_version,
         )
 
-    async def _recover(self, i: int, exc: BaseException, deadline: float) -> None:
+    async def _recover(self, i: int, exc: BaseException | str, deadline: float) -> None:
         """Wait for engine ``i``'s restart and give it the weights being served (once, whoever asks first)."""
         async with self._locks[i]:
             handle = self._handles[i]
@@ -231,6 +262,7 @@ class RayEngine:
 
     async def update_weights(self, source: Any, version: int) -> None:
         """Send ``source`` (a state dict) to every engine once, through Ray's object store."""
+        self._watching()
         ref = ray.put(source)
         self._weights = (ref, version)
         results = await asyncio.gather(
@@ -243,23 +275,70 @@ class RayEngine:
                 raise EngineError(f"engine-{i}: weight update to version {version} failed: {result}") from result
         self._version = version
 
+    async def check(self) -> None:
+        """Wait (up to ``retry_s``) until every engine answers, and give one Ray restarted the served weights (its
+        restart then is in ``events``): the daemon runs it before writing its summary."""
+        for i in range(len(self._handles)):
+            with contextlib.suppress(EngineError):
+                await self._recover(i, "restart seen at the end of the run", time.monotonic() + self.retry_s)
+
     async def where(self) -> list[dict[str, Any]]:
         """Where each engine runs now: ``{"part", "node_id", "pid"}``."""
         found = await asyncio.gather(*(h.where.remote() for h in self._handles))
         return [{"part": f"engine-{i}", **w} for i, w in enumerate(found)]
 
     async def close(self) -> None:
-        for h in self._handles:
+        handles, self._handles = self._handles, []
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        for h in handles:
             ray.kill(h, no_restart=True)
-        self._handles = []
+
+
+# -- the proxy actors -----------------------------------------------------------------------------------------------
+class ProxyHost:
+    """A proxy in an actor: token mode over the engine actors, recording into the daemon's store over HTTP. It
+    serves from its first ``url()`` call (again after a restart: same host and port)."""
+
+    def __init__(
+        self, engines: list[Any], model_dir: str, store_url: str, admin_key: str, sampling: Any, host: str, port: int
+    ) -> None:
+        self.engines, self.model_dir, self.store_url, self.admin_key = engines, model_dir, store_url, admin_key
+        self.sampling, self.host, self.port = sampling, host, port
+        self.server: Any = None
+
+    async def where(self) -> dict[str, Any]:
+        return {**_where(), "url": self.server.url if self.server is not None else None}
+
+    async def url(self) -> str:
+        if self.server is None:
+            from transformers import AutoTokenizer
+
+            from lightning_sdk.app.server import ProxyServer, bind_socket
+            from lightning_sdk.store.http_client import HTTPStore
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            store = HTTPStore(self.store_url, self.admin_key)
+            engine = RayEngine(self.engines, tokenizer, watch=False)
+            server = ProxyServer(bind_socket(self.host, self.port), self.host)
+            await server.start(
+                store, engine, tokenizer, admin_key=self.admin_key, sampling=self.sampling, publish=False
+            )
+            self.server = server
+        return str(self.server.url)
 
 
 # -- the worker actors ----------------------------------------------------------------------------------------------
 class WorkerHost:
-    """A ``WorkerPool`` of agent workers in an actor, claiming train attempts from the daemon over HTTP."""
+    """A ``WorkerPool`` of agent workers in an actor, claiming train attempts from the daemon's store over HTTP and
+    calling ``server_url`` (the daemon's proxy, or a proxy actor)."""
 
-    def __init__(self, agent: str, server_url: str, admin_key: str, concurrency: int, lease_s: float, name: str):
-        self.agent, self.server_url, self.admin_key = agent, server_url, admin_key
+    def __init__(
+        self, agent: str, store_url: str, server_url: str, admin_key: str, concurrency: int, lease_s: float, name: str
+    ) -> None:
+        self.agent, self.store_url, self.server_url, self.admin_key = agent, store_url, server_url, admin_key
         self.concurrency, self.lease_s, self.name = concurrency, lease_s, name
         self.stopping = False
         self.pool: Any = None
@@ -272,7 +351,7 @@ class WorkerHost:
         from lightning_sdk.agent import WorkerPool, load_agent
         from lightning_sdk.store.http_client import HTTPStore
 
-        store = HTTPStore(f"{self.server_url}/lightning/v1/store", self.admin_key)
+        store = HTTPStore(self.store_url, self.admin_key)
         try:
             self.pool = WorkerPool(
                 load_agent(self.agent),
@@ -299,15 +378,51 @@ class WorkerHost:
 
 
 class ClusterRun:
-    """The worker actors of a daemon on a cluster (``start``, ``placements``, ``stop``)."""
+    """The proxy and worker actors of a daemon on a cluster (``start``, ``placements``, ``stop``)."""
 
-    def __init__(self, cluster: ClusterConfig, handles: list[Any], runs: list[Any]) -> None:
+    def __init__(self, cluster: ClusterConfig, proxies: list[Any], handles: list[Any], runs: list[Any]) -> None:
         self.cluster = cluster
+        self._proxies = proxies
         self._handles = handles
         self._runs = runs
+        self._watch: asyncio.Task[None] | None = None
 
     @classmethod
-    def start(cls, cluster: ClusterConfig, agent: str, server_url: str, admin_key: str) -> ClusterRun:
+    async def start(
+        cls,
+        cluster: ClusterConfig,
+        agent: str,
+        server_url: str,
+        admin_key: str,
+        *,
+        engine: Any = None,
+        model_dir: Path | None = None,
+        sampling: Any = None,
+        host: str = "127.0.0.1",
+    ) -> ClusterRun:
+        """``cluster.proxies`` proxy actors over ``engine``'s actors (a ``RayEngine``), then ``cluster.workers``
+        worker actors, each calling a proxy actor in turn (the daemon's proxy at ``server_url`` when none)."""
+        store_url = f"{server_url}/lightning/v1/store"
+        proxies: list[Any] = []
+        urls = [server_url]
+        if cluster.proxies:
+            if not isinstance(engine, RayEngine) or model_dir is None:
+                raise ConfigError(
+                    "cluster.proxies needs the engines on the cluster (cluster.ray, engine.kind embedded)"
+                )
+            from lightning_sdk.app.server import free_port
+
+            proxy: Any = ray.remote(ProxyHost).options(
+                num_cpus=cluster.proxy_cpus,
+                resources={cluster.proxy_resource: 1.0} if cluster.proxy_resource else None,
+                max_restarts=cluster.max_restarts,
+                max_task_retries=cluster.max_restarts,
+            )
+            proxies = [
+                proxy.remote(engine.handles, str(model_dir), store_url, admin_key, sampling, host, free_port(host))
+                for _ in range(cluster.proxies)
+            ]
+            urls = list(await asyncio.gather(*(p.url.remote() for p in proxies)))
         actor: Any = ray.remote(WorkerHost).options(
             num_cpus=cluster.worker_cpus,
             max_restarts=cluster.max_restarts,
@@ -315,17 +430,40 @@ class ClusterRun:
             max_concurrency=4,  # run() and stop() at once
         )
         handles = [
-            actor.remote(agent, server_url, admin_key, cluster.worker_concurrency, cluster.lease_s, f"ray-worker-{i}")
+            actor.remote(
+                agent,
+                store_url,
+                urls[i % len(urls)],
+                admin_key,
+                cluster.worker_concurrency,
+                cluster.lease_s,
+                f"ray-worker-{i}",
+            )
             for i in range(cluster.workers)
         ]
-        return cls(cluster, handles, [h.run.remote() for h in handles])
+        run = cls(cluster, proxies, handles, [h.run.remote() for h in handles])
+        if proxies:
+            run._watch = asyncio.create_task(run._keep_serving())
+        return run
+
+    async def _keep_serving(self, every_s: float = 1.0) -> None:
+        """A proxy actor Ray restarted serves again at once (on its host and port): ``url()`` starts it."""
+        while True:
+            await asyncio.sleep(every_s)
+            await asyncio.gather(*(p.url.remote() for p in self._proxies), return_exceptions=True)
 
     async def placements(self) -> list[dict[str, Any]]:
-        found = await asyncio.gather(*(h.where.remote() for h in self._handles))
-        return [{"part": f"worker-{i}", **w} for i, w in enumerate(found)]
+        proxies = await asyncio.gather(*(h.where.remote() for h in self._proxies))
+        workers = await asyncio.gather(*(h.where.remote() for h in self._handles))
+        return [
+            *({"part": f"proxy-{i}", **w} for i, w in enumerate(proxies)),
+            *({"part": f"worker-{i}", **w} for i, w in enumerate(workers)),
+        ]
 
     async def stop(self, timeout_s: float = 60.0) -> list[dict[str, Any] | str]:
         """Stop claiming, release what is running, and answer each actor's result (or why it has none)."""
+        if self._watch is not None:
+            self._watch.cancel()
         await asyncio.gather(*(h.stop.remote() for h in self._handles), return_exceptions=True)
         done: list[dict[str, Any] | str] = []
         for ref in self._runs:
@@ -333,6 +471,6 @@ class ClusterRun:
                 done.append(await asyncio.wait_for(ref, timeout_s))
             except (*_DOWN, TimeoutError, ray.exceptions.RayTaskError) as exc:
                 done.append(f"{type(exc).__name__}: {exc}")
-        for h in self._handles:
+        for h in [*self._handles, *self._proxies]:
             ray.kill(h, no_restart=True)
         return done

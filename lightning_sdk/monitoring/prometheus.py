@@ -7,18 +7,22 @@
     trainer    ──step report─▶ learner_step_seconds, staleness, weight_publication_seconds, policy_version
 
 Every family is named ``lightning_sdk_*``; counters end in ``_total`` in the text format (prometheus_client adds
-it). What each one means is in docs/proxy.md ("Metrics"). The hot path pays a dict lookup and a few lock-guarded
-adds per call: the labelled children are cached here, not looked up through ``labels()`` every call.
+it). What each one means is in docs/proxy.md ("Metrics"). The call families cost the hot path a dict lookup and a
+few plain adds: they are kept as plain numbers on the event loop and turned into Prometheus families at scrape
+(``_CallCollector``), not through prometheus_client's lock-guarded children.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -52,24 +56,8 @@ class OpsMetrics:
         r = self.registry
         p = "lightning_sdk_"
         # -- calls ---------------------------------------------------------------------------------------------
-        self.calls = Counter(
-            p + "calls", "LLM calls answered, by route, HTTP status and mode", ("route", "status", "mode"), registry=r
-        )
-        self.call_seconds = Histogram(
-            p + "call_duration_seconds",
-            "Seconds from a call's request to its last answered byte",
-            ("route", "mode"),
-            buckets=CALL_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.call_tokens = Histogram(
-            p + "call_tokens",
-            "Tokens of a recorded call: kind=prompt (prompt ids) or completion (completion ids)",
-            ("route", "mode", "kind"),
-            buckets=TOKEN_BUCKETS,
-            registry=r,
-        )
-        self.in_flight = Gauge(p + "calls_in_flight", "LLM calls being served now", registry=r)
+        self.calls = _CallCollector(p)  # calls_total, call_duration_seconds, call_tokens, calls_in_flight
+        r.register(self.calls)
         # -- recording and the store ---------------------------------------------------------------------------
         self.recorder_queue = Gauge(
             p + "recorder_queue_depth", "Calls and rewards queued for the store, not yet written", registry=r
@@ -124,33 +112,27 @@ class OpsMetrics:
             registry=r,
         )
         self.version_is_read = False  # True: policy_version reads the engine at scrape (served_version_from)
-        self._call_children: dict[tuple[str, int, str], tuple[Any, Any, Any, Any]] = {}
 
     # -- the hot path ----------------------------------------------------------------------------------------------
     def call_started(self) -> None:
-        self.in_flight.inc()
+        self.calls.started += 1
 
     def call_ended(
         self, route: str, status: int, mode: str, seconds: float, prompt_tokens: int, completion_tokens: int
     ) -> None:
         """One call answered: its route, HTTP status, mode, wall seconds and the lengths of its recorded ids (0 and
-        0 for a call that recorded none)."""
+        0 for a call that recorded none: not observed in the token histograms)."""
+        calls = self.calls
+        calls.ended += 1
         key = (route, status, mode)
-        children = self._call_children.get(key)
-        if children is None:
-            children = self._call_children[key] = (
-                self.calls.labels(route, str(status), mode),
-                self.call_seconds.labels(route, mode),
-                self.call_tokens.labels(route, mode, "prompt"),
-                self.call_tokens.labels(route, mode, "completion"),
-            )
-        count, latency, prompt, completion = children
-        self.in_flight.dec()
-        count.inc()
-        latency.observe(seconds)
+        series = calls.series.get(key)
+        if series is None:
+            series = calls.series[key] = _CallSeries()
+        series.count += 1
+        series.latency.observe(seconds)
         if prompt_tokens or completion_tokens:
-            prompt.observe(prompt_tokens)
-            completion.observe(completion_tokens)
+            series.prompt.observe(prompt_tokens)
+            series.completion.observe(completion_tokens)
 
     # -- the recorder ----------------------------------------------------------------------------------------------
     def record_written(self, seconds: float, calls: int, rewards: int) -> None:
@@ -206,6 +188,94 @@ class OpsMetrics:
                 logger.warning("metrics: a scrape-time read failed: %s", exc)
                 self.store_error("scrape")
         return generate_latest(self.registry)
+
+
+class _Hist:
+    """A histogram's buckets (not cumulative; the last one is +Inf) and sum, kept with plain adds."""
+
+    __slots__ = ("bounds", "buckets", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.buckets = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.buckets[bisect.bisect_left(self.bounds, value)] += 1  # le: a value equal to a bound counts in it
+        self.sum += value
+
+    def add(self, other: _Hist) -> None:
+        for i, n in enumerate(other.buckets):
+            self.buckets[i] += n
+        self.sum += other.sum
+
+    def exposed(self) -> tuple[list[tuple[str, float]], float]:
+        """(cumulative ``(le, count)`` pairs ending with ``+Inf``, sum): what ``HistogramMetricFamily`` takes."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, n in zip((*map(floatToGoString, self.bounds), "+Inf"), self.buckets, strict=True):
+            total += n
+            out.append((bound, total))
+        return out, self.sum
+
+
+class _CallSeries:
+    """What one (route, status, mode) counted: calls, their durations and recorded tokens."""
+
+    __slots__ = ("completion", "count", "latency", "prompt")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.latency = _Hist(CALL_LATENCY_BUCKETS)
+        self.prompt = _Hist(TOKEN_BUCKETS)
+        self.completion = _Hist(TOKEN_BUCKETS)
+
+
+class _CallCollector(Collector):
+    """The call families, counted on the event loop with plain adds (no lock, no ``labels()`` lookup per call) and
+    turned into Prometheus families at scrape (which runs on the same loop)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.series: dict[tuple[str, int, str], _CallSeries] = {}
+        self.started = 0
+        self.ended = 0
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.prefix
+        calls = CounterMetricFamily(
+            p + "calls", "LLM calls answered, by route, HTTP status and mode", labels=("route", "status", "mode")
+        )
+        latency: dict[tuple[str, str], _Hist] = {}
+        tokens: dict[tuple[str, str, str], _Hist] = {}
+        for (route, status, mode), series in list(self.series.items()):
+            calls.add_metric([route, str(status), mode], series.count)
+            latency.setdefault((route, mode), _Hist(CALL_LATENCY_BUCKETS)).add(series.latency)
+            tokens.setdefault((route, mode, "prompt"), _Hist(TOKEN_BUCKETS)).add(series.prompt)
+            tokens.setdefault((route, mode, "completion"), _Hist(TOKEN_BUCKETS)).add(series.completion)
+        yield calls
+        duration = HistogramMetricFamily(
+            p + "call_duration_seconds",
+            "Seconds from a call's request to its last answered byte",
+            labels=("route", "mode"),
+        )
+        for labels, hist in latency.items():
+            buckets, total = hist.exposed()
+            duration.add_metric(list(labels), buckets, total)
+        yield duration
+        token_family = HistogramMetricFamily(
+            p + "call_tokens",
+            "Tokens of a recorded call: kind=prompt (prompt ids) or completion (completion ids)",
+            labels=("route", "mode", "kind"),
+        )
+        for token_labels, hist in tokens.items():
+            buckets, total = hist.exposed()
+            token_family.add_metric(list(token_labels), buckets, total)
+        yield token_family
+        yield GaugeMetricFamily(p + "calls_in_flight", "LLM calls being served now", value=self.started - self.ended)
 
 
 def metrics_route(metrics: OpsMetrics, path: str = "/metrics") -> Route:

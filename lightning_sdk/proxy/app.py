@@ -280,11 +280,15 @@ def _lifespan(proxy: Proxy) -> Callable[[Starlette], contextlib.AbstractAsyncCon
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         proxy.recorder.start()
+        if proxy.commits is not None:
+            proxy.commits.start()
         await proxy.backend.start()  # e.g. the passthrough's watch for an upstream that is not up yet
         try:
             yield
         finally:
             await proxy.recorder.stop()
+            if proxy.commits is not None:
+                await proxy.commits.stop()
             await proxy.backend.aclose()
             if proxy.close_store:
                 await proxy.store.close()

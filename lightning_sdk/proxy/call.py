@@ -394,8 +394,12 @@ class _Sent:
         await self._send(message)
 
 
-def _earlier(state: AttemptState, store: Store, seq: int) -> Callable[[], Awaitable[list[Call]]]:
+def _earlier(state: AttemptState, store: Store, seq: int, fresh: bool) -> Callable[[], Awaitable[list[Call]]]:
+    """The attempt's calls before ``seq``; ``fresh``: read from the store (other proxies recorded some of them)."""
+
     async def earlier() -> list[Call]:
+        if fresh:
+            state.shed()
         return await state.earlier_calls(store, seq)
 
     return earlier
@@ -474,6 +478,8 @@ async def _serve(
         if not adapter.chat and isinstance(backend, ExternalBackend):
             raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         seq = await state.take_seq(proxy.store)
+        if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/shared.py)
+            seq = await proxy.shared.reserve_seq(state.attempt.attempt_id)
         ctx = CallContext(
             attempt=state.attempt,
             call_id=new_call_id(),
@@ -481,7 +487,7 @@ async def _serve(
             model=body["model"],
             policy_version=await proxy.policy_version(),
             split=state.split,
-            _earlier=_earlier(state, proxy.store, seq),
+            _earlier=_earlier(state, proxy.store, seq, proxy.shared is not None),
         )
         state.call_ids.add(ctx.call_id)
         if task is not None:
@@ -511,6 +517,16 @@ async def _serve(
         if task is not None:
             state.tasks.discard(task)
     call_id = ctx.call_id if ctx is not None else None
+    call: Call | None = None
+    recorded = False
+    if proxy.commits is not None and error is None and result is not None and not stream and ctx is not None:
+        # a shared store: the call is committed, then answered (proxy/shared.py)
+        try:
+            call = await record_call(proxy, state, ctx, adapter.recorded(t, body, result), result, None,
+                                     adapter.chat, started)  # fmt: skip
+            recorded = True
+        except LightningSDKError as exc:  # its attempt ended on another proxy, or the store failed
+            error, recorded = refusal(exc), True
     if error is None and result is not None and not stream and t is not None and call_id is not None:
         payload = adapter.answer(t, result)
         await out({"type": "http.response.start", "status": 200, "headers": _json_headers(len(payload), call_id)})
@@ -520,10 +536,12 @@ async def _serve(
     elif error is not None and out.started and not out.ended and error.status != 499 and events is not None:
         with contextlib.suppress(Exception):  # the agent may be gone
             await out({"type": "http.response.body", "body": events.error(error)})
-    call: Call | None = None
-    if ctx is not None:
+    if ctx is not None and not recorded:
         ok = result if error is None else None
-        call = await record_call(proxy, state, ctx, adapter.recorded(t, body, ok), ok, error, adapter.chat, started)
+        try:
+            call = await record_call(proxy, state, ctx, adapter.recorded(t, body, ok), ok, error, adapter.chat, started)
+        except LightningSDKError as exc:  # a shared store refused it after the answer (a stream, an error)
+            logger.warning("call %s: not recorded: %s", ctx.call_id, exc)
     if start is not None:
         status = 200 if error is None or (out.started and error.status != 499) else error.status
         attempt = state.attempt
@@ -602,7 +620,10 @@ async def record_call(
     else:
         state.add_call(call)
     state.n_calls += 1
-    await proxy.recorder.add_call(call)
+    if proxy.commits is not None:
+        await proxy.commits.commit(call)  # raises when the store refused it (its attempt ended elsewhere)
+    else:
+        await proxy.recorder.add_call(call)
     return call
 
 

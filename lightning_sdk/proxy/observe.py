@@ -19,8 +19,10 @@ not block (queue work elsewhere); what an observer raises is logged and dropped 
 Because ``call_started`` and ``call_ended`` run in the serving task, an observer may set a ``contextvars`` value in
 ``call_started`` (e.g. a current span) that the backend's upstream request sees. With no observer nothing is
 allocated: the pipeline checks the list once per request. ``CallObserver`` has no-op defaults, so an observer
-subclasses it and overrides only what it needs. The events are frozen; ``CallStart`` compares by identity (use it
-as a key to pair a start with its end: ``end.start is start``).
+subclasses it and overrides only what it needs. The events are read-only by contract (``CallStart`` and
+``CallEnd`` are plain slotted dataclasses, not frozen ones: a frozen 12-field dataclass costs ~3.4 us to build
+against ~0.5 us, and they are built for every call); ``CallStart`` compares by identity (use it as a key to pair a
+start with its end: ``end.start is start``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ Mode = Literal["token", "passthrough", "external"]
 """How a call was served: the token-in/token-out backend, a passthrough engine, or an external provider (LiteLLM)."""
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(eq=False, slots=True)
 class CallStart:
     """A request of an LLM route arrived (its body not read yet).
 
@@ -66,7 +68,7 @@ class CallStart:
     t0: float
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(eq=False, slots=True)
 class CallEnd:
     """A request of an LLM route was answered (or refused, or cut off).
 

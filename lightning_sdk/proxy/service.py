@@ -24,11 +24,13 @@ from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy.backend import PolicyBackend
+from lightning_sdk.proxy.call_metrics import CallMetrics
 from lightning_sdk.proxy.errors import ProxyHTTPError
 from lightning_sdk.proxy.external import ExternalBackend
 from lightning_sdk.proxy.hangup import HangUpSweeper
 from lightning_sdk.proxy.observe import CallObserver, FinishEvent, RewardEvent, notify_finished, notify_reward
 from lightning_sdk.proxy.recorder import Recorder
+from lightning_sdk.proxy.shared import CommitWriter, SharedStore, is_shared
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Attempt, AttemptStatus, Reward
 
@@ -90,8 +92,13 @@ class Proxy:
         self.recorder = Recorder(
             store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch, metrics=metrics
         )
+        # A store many proxies share (proxy/shared.py): calls are numbered by the store and committed, with the
+        # store-side finish barrier, before they are answered. None: the single-proxy path (barrier in memory).
+        self.shared: SharedStore | None = store if is_shared(store) else None  # type: ignore[assignment]
+        self.commits = CommitWriter(self.shared, max_batch=self.config.record_batch) if self.shared else None
         if metrics is not None:
             metrics.refreshers.append(self._refresh_metrics)
+            self.observers = (CallMetrics(metrics), *self.observers)  # calls, latency, tokens, in flight, finishes
         after_s = self.config.hang_up_watch_after_s
         self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(
@@ -188,8 +195,12 @@ class Proxy:
             final = AttemptStatus.FAILED
             why = f"{len(failures)} calls/rewards of this attempt could not be recorded: {failures[0]}"
             logger.error("attempt %s: finished as failed: %s", attempt_id, why)
+        landed: int | None = None  # a shared store counts the calls every proxy recorded
         try:
-            attempt = await self.store.finish_attempt(attempt_id, final, why)
+            if self.shared is not None:
+                attempt, landed = await self.shared.finish_counting(attempt_id, final, why)
+            else:
+                attempt = await self.store.finish_attempt(attempt_id, final, why)
         except (StoreUnavailableError, asyncio.CancelledError):
             state.closing = None
             raise
@@ -197,12 +208,11 @@ class Proxy:
             state.closing = "ended"
             raise
         self.attempts.ended(state.attempt.token, attempt)
-        if self.metrics is not None:
-            self.metrics.attempt_ended(attempt.status.value)
         lost_calls = sum(1 for f in failures if f.startswith("call "))
+        n_calls = state.n_calls - lost_calls if landed is None else landed
         if self.observers:
             event = FinishEvent(
-                attempt.attempt_id, attempt.rollout_id, attempt.status.value, why, state.n_calls - lost_calls,
+                attempt.attempt_id, attempt.rollout_id, attempt.status.value, why, n_calls,
                 state.n_errors, aborted,
             )  # fmt: skip
             notify_finished(self.observers, event)
@@ -210,7 +220,7 @@ class Proxy:
             "rollout_id": attempt.rollout_id,
             "attempt_id": attempt.attempt_id,
             "status": attempt.status.value,
-            "calls": state.n_calls - lost_calls,
+            "calls": n_calls,
             "calls_failed": state.n_errors,
             "calls_not_recorded": lost_calls,
             "rewards_not_recorded": len(failures) - lost_calls,

@@ -54,10 +54,11 @@ class AdvantageConfig:
     ``epsilon``: added to the std. ``gamma``: discount over calls for per-turn credit. ``per_turn``: None = on for
     groups whose agent emitted per-call rewards. ``failed_fill``: reward given to failed or timed-out attempts so
     they are trained (None, the default: they are not trained). ``drop_zero_variance``: leave out groups whose
-    scores are all equal (they are always counted). ``drop_single_groups``: leave out groups with one trained
-    rollout (a hand-opened session, or a group whose other attempts failed): with no other rollout to compare
-    against, most estimators hand it its raw reward as advantage; train them only when the estimator is meant for
-    that (they are always counted).
+    scores are all equal (they are always counted). ``train_single_groups``: false leaves out groups with one
+    trained rollout (a hand-opened session, or a group whose other attempts failed): with no other rollout to
+    compare against, most estimators hand it its raw reward as advantage; train them only when the estimator is
+    meant for that (they are always counted). The names are ``[rl]``'s, so the trainer hands that section's values
+    over as they are.
     """
 
     estimator: str = "grpo"
@@ -67,7 +68,7 @@ class AdvantageConfig:
     per_turn: bool | None = None
     failed_fill: float | None = None
     drop_zero_variance: bool = False
-    drop_single_groups: bool = False
+    train_single_groups: bool = True
 
 
 @dataclass(frozen=True, slots=True)

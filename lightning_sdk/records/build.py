@@ -288,7 +288,7 @@ def build_records(
             a.report.note = "zero-variance group dropped"
             dropped.add(a.group_pos)
             continue
-        if adv_cfg.drop_single_groups and a.group_pos in single_groups:
+        if not adv_cfg.train_single_groups and a.group_pos in single_groups:
             a.report.trained = False
             a.report.note = "group of one rollout dropped (no baseline)"
             dropped.add(a.group_pos)

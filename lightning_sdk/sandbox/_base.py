@@ -69,6 +69,7 @@ class Sandbox(abc.ABC):
     id: str
     path: str  # the working directory (the repository root)
     home: str  # its private home directory
+    uid: int | None  # the uid its programs run as (per-sandbox-user isolation); None: the trainer's own
     limits: SandboxLimits
 
     @abc.abstractmethod

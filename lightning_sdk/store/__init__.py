@@ -8,7 +8,8 @@ docs/store.md.
 from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.store._clock import Clock, ManualClock
-from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store
+from lightning_sdk.store._events import AttemptEnds
+from lightning_sdk.store._open import ADMIN_KEY_ENV, open_store, redact_url
 from lightning_sdk.store._reaper import reap_leases
 from lightning_sdk.store._sync import run_sync
 from lightning_sdk.store.base import Store
@@ -34,6 +35,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ADMIN_KEY_ENV",
+    "AttemptEnds",
     "Clock",
     "FinishedGroup",
     "HTTPStore",
@@ -45,6 +47,7 @@ __all__ = [
     "load_groups",
     "open_store",
     "reap_leases",
+    "redact_url",
     "run_sync",
     "store_routes",
 ]

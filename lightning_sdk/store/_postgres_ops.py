@@ -330,6 +330,17 @@ async def finish(cur: Cur, attempt_id: str, status: AttemptStatus, error: str | 
     return ended
 
 
+async def finish_counting(
+    cur: Cur, attempt_id: str, status: AttemptStatus, error: str | None, ts: float
+) -> tuple[Attempt, int]:
+    """``finish`` and the number of calls the attempt has in the store, counted under the attempt's exclusive lock:
+    every batch that holds its share lock has committed, and none can land after."""
+    ended = await finish(cur, attempt_id, status, error, ts)
+    await cur.execute("SELECT COUNT(*) FROM calls WHERE attempt_id = %s", (attempt_id,))
+    row = await cur.fetchone()
+    return ended, int(row[0]) if row else 0
+
+
 async def expire(cur: Cur, ts: float) -> list[Attempt]:
     await cur.execute(
         f"SELECT {ATTEMPT_COLS} FROM attempts WHERE status = 'running' AND lease_expires_at IS NOT NULL "

@@ -12,7 +12,8 @@ groups with their rollouts, attempts and calls is one consistent snapshot, as in
 Many processes. Lifecycle rules live in ``_lifecycle`` (shared with the other stores); which rows each move locks,
 so that concurrent processes never share a claim nor record a call after a finish, is written at the top of
 ``_postgres_ops``. Attempts ended in another process reach this one's ``attempt_ends`` (what the trainer waits on)
-through ``LISTEN``/``NOTIFY`` on one extra connection.
+through ``LISTEN``/``NOTIFY`` on one extra connection, opened once ``attempt_ends`` is asked for (by the trainer;
+a proxy holds none).
 
 Token cache. ``attempt_by_token`` runs per proxied request: a running attempt is trusted for ``token_ttl_s``
 seconds after it was read (or moved by this process), then read again, since another process may have ended it.
@@ -68,6 +69,8 @@ _SCHEMA_LOCK = 0x6C73_646B_7363_6831  # pg_advisory_xact_lock key of schema crea
 class PostgresStore:
     """The ``Store`` protocol over one PostgreSQL database (``url``: a libpq URL, ``postgresql://...``)."""
 
+    shared = True  # many proxies may serve its attempts at once: they keep their barrier here (proxy/shared.py)
+
     def __init__(
         self,
         url: str,
@@ -88,8 +91,9 @@ class PostgresStore:
         self.min_size, self.max_size = min_size, max_size
         self.token_ttl_s = token_ttl_s
         self.connect_timeout_s = connect_timeout_s
-        self.attempt_ends = AttemptEnds()  # bumped by this process's ends and by NOTIFYs of the others
+        self._ends = AttemptEnds()  # bumped by this process's ends and by NOTIFYs of the others (attempt_ends)
         self._listen = listen
+        self._listen_wanted = False  # someone waits on attempt_ends (the trainer): then LISTEN
         self._closed = False
         self._lock = threading.Lock()
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
@@ -157,16 +161,35 @@ class PostgresStore:
                 raise _translate(exc, self.url) from exc
             with self._lock:
                 self._pools[loop] = pool
-                if self._listen and self._listener is None:
-                    self._listener = loop.create_task(self._listen_ends(), name="lightning_sdk-store-listen")
+            self._start_listener()
             return pool
+
+    @property
+    def attempt_ends(self) -> AttemptEnds:
+        """What the trainer waits on (store/_events.py): this process's ended attempts, and, once someone asks for
+        it, every other process's (a ``LISTEN`` connection; a proxy, which never asks, holds none)."""
+        self._listen_wanted = True
+        self._start_listener()
+        return self._ends
+
+    def _start_listener(self) -> None:
+        if not (self._listen and self._listen_wanted) or self._listener is not None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the first pool starts it
+        with self._lock:
+            if self._listener is None:
+                self._listener = loop.create_task(self._listen_ends(), name="lightning_sdk-store-listen")
 
     async def _txn(self, fn: Callable[..., Awaitable[T]], *args: Any, read: bool = False) -> T:
         """``await fn(cursor, *args)`` in one transaction (a snapshot for reads), retried on deadlock."""
         pool = await self._pool()
         for attempt in range(_TRIES):
             try:
-                async with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+                # reads in binary: bytea arrives as its bytes (text format sends it hex-encoded, twice the size)
+                async with pool.connection() as conn, conn.transaction(), conn.cursor(binary=read) as cur:
                     if read:
                         await cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
                     return await fn(cur, *args)
@@ -179,6 +202,18 @@ class PostgresStore:
             except psycopg.Error as exc:
                 raise _translate(exc, self.url) from exc
         raise AssertionError("unreachable")
+
+    async def _single(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(cursor, *args)`` for an ``fn`` of one statement, in autocommit: one round trip instead of the
+        three of BEGIN / statement / COMMIT (the per-call ``reserve_seq`` and token reads of the proxies)."""
+        pool = await self._pool()
+        try:
+            async with pool.connection() as conn, conn.cursor(binary=True) as cur:
+                return await fn(cur, *args)
+        except LightningSDKError:
+            raise
+        except psycopg.Error as exc:
+            raise _translate(exc, self.url) from exc
 
     async def _moved(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``_txn`` for moves of attempts: the attempts in the result update the token cache after COMMIT."""
@@ -199,9 +234,9 @@ class PostgresStore:
                     self.url, autocommit=True, connect_timeout=max(1, int(self.connect_timeout_s))
                 ) as conn:
                     await conn.execute(f"LISTEN {ops.NOTIFY_CHANNEL}")
-                    self.attempt_ends.bump()  # ends may have been missed while not listening: read once
+                    self._ends.bump()  # ends may have been missed while not listening: read once
                     async for _ in conn.notifies():
-                        self.attempt_ends.bump()
+                        self._ends.bump()
             except psycopg.Error as exc:
                 if self._closed:
                     return
@@ -237,21 +272,31 @@ class PostgresStore:
 
     async def finish_attempt(self, attempt_id: str, status: AttemptStatus, error: str | None = None) -> Attempt:
         attempt = await self._moved(ops.finish, attempt_id, AttemptStatus(status), error, self.clock())
-        self.attempt_ends.bump()
+        self._ends.bump()
         return attempt
+
+    async def finish_counting(
+        self, attempt_id: str, status: AttemptStatus, error: str | None = None
+    ) -> tuple[Attempt, int]:
+        """``finish_attempt``, and how many calls of the attempt landed (from every process), counted in the same
+        transaction under the attempt's exclusive lock."""
+        attempt, n_calls = await self._txn(ops.finish_counting, attempt_id, AttemptStatus(status), error, self.clock())
+        self._running.pop(attempt.token, None)
+        self._ends.bump()
+        return attempt, n_calls
 
     async def expire_leases(self) -> list[Attempt]:
         expired = await self._moved(ops.expire, self.clock())
-        self.attempt_ends.bump(len(expired))
+        self._ends.bump(len(expired))
         return expired
 
     async def cancel_rollout(self, rollout_id: str) -> Rollout:
         rollout = await self._txn(ops.cancel, rollout_id, self.clock())
-        self.attempt_ends.bump()
+        self._ends.bump()
         return rollout
 
     async def get_attempt(self, attempt_id: str) -> Attempt:
-        return await self._txn(ops.get_attempt, attempt_id, read=True)
+        return await self._single(ops.get_attempt, attempt_id)
 
     # -- calls and rewards ---------------------------------------------------------------------------------------
     async def attempt_by_token(self, token: str) -> Attempt | None:
@@ -260,7 +305,7 @@ class PostgresStore:
             attempt, read_at = cached
             if time.monotonic() - read_at < self.token_ttl_s and not lc.lease_expired(attempt, self.clock()):
                 return attempt.model_copy()
-        attempt_or_none = await self._txn(ops.attempt_by_token, token, read=True)
+        attempt_or_none = await self._single(ops.attempt_by_token, token)
         if attempt_or_none is not None and attempt_or_none.status is AttemptStatus.RUNNING:
             self._running[token] = (attempt_or_none, time.monotonic())
         else:
@@ -277,7 +322,7 @@ class PostgresStore:
         """The first of ``n`` consecutive call numbers of ``attempt_id``, unique across every process."""
         if n < 1:
             raise ConfigError(f"reserve_seq: n must be >= 1, got {n}")
-        return await self._txn(ops.reserve_seq, attempt_id, n)
+        return await self._single(ops.reserve_seq, attempt_id, n)
 
     async def record_rewards(self, rewards: list[Reward]) -> None:
         if rewards:
@@ -316,7 +361,7 @@ class PostgresStore:
         await self._txn(ops.publish_version, version)
 
     async def current_version(self) -> PolicyVersion | None:
-        return await self._txn(ops.current_version, read=True)
+        return await self._single(ops.current_version)
 
     async def set_resource(self, resource: Resource) -> None:
         await self._txn(ops.set_resource, resource)
@@ -328,7 +373,7 @@ class PostgresStore:
         await self._txn(ops.set_meta, key, value)
 
     async def get_meta(self, key: str) -> Any | None:
-        return await self._txn(ops.get_meta, key, read=True)
+        return await self._single(ops.get_meta, key)
 
     async def close(self) -> None:
         """Close every pool and the listener (idempotent); later calls raise ``StoreUnavailableError``. A pool of

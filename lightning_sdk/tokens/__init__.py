@@ -22,6 +22,7 @@ from lightning_sdk.tokens._parsers import (
     get_parser,
     new_tool_call_id,
     register_parser,
+    trailing_partial,
 )
 from lightning_sdk.tokens._render import ChatRenderer
 from lightning_sdk.tokens._retokenize import Retokenized, render_reply_text, retokenize_reply, retokenize_text
@@ -64,4 +65,5 @@ __all__ = [
     "retokenize_text",
     "short_tool_call_id",
     "to_template_messages",
+    "trailing_partial",
 ]

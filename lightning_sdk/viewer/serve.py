@@ -29,6 +29,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(128)  # connections wait in the backlog until uvicorn serves (not refused meanwhile)
     except OSError as exc:
         sock.close()
         raise ConfigError(f"the viewer cannot listen on {host}:{port}: {exc.strerror or exc}") from None

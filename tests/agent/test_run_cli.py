@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 from lightning_sdk.types import RolloutStatus
 from tests.agent.stack import ADMIN_KEY, assert_calls_traced, threaded_proxy_stack
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 # ``lightning-sdk`` is ``lightning_sdk.cli:main``, which ``python -m lightning_sdk`` runs.
@@ -87,10 +88,7 @@ def test_sigint_lets_in_flight_attempts_finish(tmp_path: Path) -> None:
             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 60
-            while st.server.call(st.store.counts()).get("running", 0) < 2:
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-                time.sleep(0.05)
+            until(lambda: _running(st, proc) >= 2, timeout=60, what="two attempts running")
             proc.send_signal(signal.SIGINT)
             gate.touch()  # the two claimed attempts finish only now, after the signal
             _, err = proc.communicate(timeout=60)
@@ -122,10 +120,7 @@ def test_sigterm_releases_in_flight_attempts_after_the_grace_period(tmp_path: Pa
             cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
-            deadline = time.monotonic() + 60
-            while st.server.call(st.store.counts()).get("running", 0) < 2:
-                assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-                time.sleep(0.05)
+            until(lambda: _running(st, proc) >= 2, timeout=60, what="two attempts running")
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=60)
         finally:
@@ -137,3 +132,9 @@ def test_sigterm_releases_in_flight_attempts_after_the_grace_period(tmp_path: Pa
         assert counts.get("queued") == 3 and counts.get("running", 0) == 0, counts
         page, _ = st.server.call(st.store.list_rollouts(status=RolloutStatus.QUEUED))
         assert [r.attempts_used for r in page] == [0, 0, 0]  # released attempts do not use up max_attempts
+
+
+def _running(st: Any, proc: subprocess.Popen[str]) -> int:
+    """Attempts running in the store (the CLI must still be up meanwhile)."""
+    assert proc.poll() is None, proc.communicate()
+    return int(st.server.call(st.store.counts()).get("running", 0))

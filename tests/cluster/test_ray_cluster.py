@@ -1,25 +1,28 @@
 """``lightning-sdk daemon --ray ADDRESS`` on a real multi-node Ray cluster on this machine (marker ``ray_cluster``).
 
-The cluster: a head (2 CPUs) and two nodes with a custom ``gpu_like`` resource standing in for a GPU (1 CPU each),
-each a ``ray start`` process of its own (tests/support/ray_cluster.py). The daemon (a subprocess: SQLite store,
-proxy, training loop, embedded learner) places its engine as a Ray actor on a ``gpu_like`` node and two worker
-actors running the calc example's agent. After the first step, the node that hosts the engine is killed (SIGKILL of
-its raylet and workers: a machine failing). Ray restarts the engine on the other ``gpu_like`` node, the calls it
-was serving are re-sent with the served weights, the attempts of any worker on that node lose their lease and are
-retried, and the run finishes: every step trained, no group or attempt trained twice, every trained call intact.
+The cluster: a head (2 CPUs and a ``cpu_node`` resource for the proxy actor) and two nodes with a custom
+``gpu_like`` resource standing in for a GPU (1 CPU each), each a ``ray start`` process of its own
+(tests/support/ray_cluster.py). The daemon (a subprocess: SQLite store, its own proxy, training loop, embedded
+learner) places its engine as a Ray actor on a ``gpu_like`` node, a proxy actor on the head and two worker actors
+running the calc example's agent against that proxy. After the first step, the node that hosts the engine is killed
+(SIGKILL of its raylet and workers: a machine failing). Ray restarts the engine on the other ``gpu_like`` node, the
+calls it was serving are re-sent with the served weights, the attempts of any worker on that node lose their lease
+and are retried, and the run finishes: every step trained, no group or attempt trained twice, every trained call
+intact.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_sdk.store import SQLiteStore, run_sync
 from lightning_sdk.types import AttemptStatus
@@ -39,6 +42,18 @@ def _wait(what: str, ready: object, proc: subprocess.Popen[bytes], log: Path, ti
         time.sleep(0.2)
 
 
+def _metric(url: str, name: str, **labels: str) -> float:
+    """One family's value from a real scrape of ``url``/metrics, parsed by prometheus_client's parser."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    want = set(labels.items())
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and want <= set(s.labels.items())
+    )
+
+
 def _steps(run: Path) -> int:
     path = run / "metrics.jsonl"
     return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
@@ -54,15 +69,16 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
         rl={"steps": STEPS, "tasks_per_step": 2, "samples_per_task": 2, "max_tokens": 16, "drop_zero_variance": False,
             "max_staleness": 2},
         cluster={"engine_resource": "gpu_like", "engine_cpus": 0, "engine_threads": 1, "workers": 2,
-                 "worker_concurrency": 4, "worker_cpus": 1, "lease_s": 8, "max_attempts": 4},
+                 "worker_concurrency": 4, "worker_cpus": 1, "lease_s": 8, "max_attempts": 4, "proxies": 1,
+                 "proxy_resource": "cpu_node", "proxy_cpus": 0},
     )  # fmt: skip
     run = tmp_path / "run"
     log = tmp_path / "daemon.log"
-    with RayCluster(tmp_path, head_cpus=2) as cluster:
+    with RayCluster(tmp_path, head_cpus=2, head_resources={"cpu_node": 1}) as cluster:
         nodes = [cluster.add_node(num_cpus=1, resources={"gpu_like": 1}) for _ in range(2)]
         cluster.wait_for_nodes(3)
         t_cluster = time.monotonic() - t0
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+        env = {**cluster.env, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-c", CLI, "daemon", "--config", str(config), "--output", str(run),
@@ -73,6 +89,12 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
             _wait("the first step", lambda: _steps(run) >= 1, proc, log, timeout=240)
             placed = json.loads((run / "cluster.json").read_text())["parts"]
             engine = next(p for p in placed if p["part"] == "engine-0")
+            proxy = next(p for p in placed if p["part"] == "proxy-0")
+            assert proxy["pid"] in cluster.nodes[0].pids()  # the proxy actor runs on the CPU node (the head)
+            daemon_url = json.loads((run / "daemon.json").read_text())["url"]
+            # the worker actors call the proxy actor: it recorded the calls, the daemon's own proxy none
+            assert _metric(proxy["url"], "lightning_sdk_recorded_total", kind="call") > 0
+            assert _metric(daemon_url, "lightning_sdk_recorded_total", kind="call") == 0
             host = next(n for n in nodes if engine["pid"] in n.pids())  # the node whose raylet runs the engine
             t_kill = time.monotonic()
             killed = cluster.kill_node(host)

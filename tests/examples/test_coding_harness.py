@@ -173,4 +173,4 @@ def test_gpu_recipe_and_third_party_agent_load() -> None:
     assert gpu.sandbox is not None and gpu.sandbox.limits.wall_s == 900
     assert mini.command[:4] == ["mini", "-y", "-m", "openai/policy"] and mini.fail_on_error is False
     overridden = load_train_config(EXAMPLE / "train_gpu.toml", {"agent": "agent_mini.py:agent"})
-    assert overridden.agent == "agent_mini.py:agent"
+    assert overridden.agent == f"{EXAMPLE / 'agent_mini.py'}:agent"  # resolved against the config's directory

@@ -191,8 +191,8 @@ def test_the_readme_command_selects_the_per_turn_agent() -> None:
     from lightning_sdk.trainer.config import load_train_config
 
     config = load_train_config(EXAMPLE / "train.toml", _parse_set(["agent=agent_turns.py:agent"]))
-    assert config.agent == "agent_turns.py:agent"
-    turns = la.load_agent(f"{EXAMPLE / config.agent}")
+    assert config.agent == f"{EXAMPLE / 'agent_turns.py'}:agent"  # resolved against the config's directory
+    turns = la.load_agent(config.agent)
     plain = la.load_agent(f"{EXAMPLE / 'agent.py'}:agent")
     assert isinstance(turns, la.CommandAgent) and isinstance(plain, la.CommandAgent)
     assert (turns.command, turns.sandbox, turns.timeout, turns.max_attempts) == (

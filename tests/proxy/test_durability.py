@@ -22,6 +22,7 @@ from lightning_sdk.store import SQLiteStore
 from lightning_sdk.types import AttemptStatus, RolloutDetail, RolloutStatus
 from tests.support.mock_openai import MockOpenAI
 from tests.support.servers import RunningServer, free_port
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "durability-key"
@@ -40,17 +41,20 @@ def _start(upstream: str, db: Path) -> tuple[subprocess.Popen[bytes], str]:
         cwd=ROOT,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def healthy() -> bool:
         assert proc.poll() is None, "the proxy exited early"
         try:
-            if httpx.get(url + "/lightning/v1/health", timeout=1.0).status_code == 200:
-                return proc, url
+            return httpx.get(url + "/lightning/v1/health", timeout=1.0).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the proxy did not become healthy")
+            return False
+
+    try:
+        until(healthy, timeout=60, what="the proxy to become healthy")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -157,9 +161,7 @@ def test_attempt_cut_off_before_finish_is_never_succeeded(
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 20
-        while mock.n_requests < seen + 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until(lambda: mock.n_requests >= seen + 3, timeout=20, what="the three calls at the upstream")
         assert mock.n_requests == seen + 3  # all three are waiting on the upstream
         closer = threading.Thread(target=finish)  # the finish waits for the calls in flight
         closer.start()

@@ -51,7 +51,24 @@ def test_metrics_after_real_calls_match_the_store(upstream: RunningServer, tmp_p
         assert value(before, "lightning_sdk_recorded_total", kind="call") == 0
         _, calls = _calls(px, 3)
         assert len(calls) == 3
+        bad = httpx.post(
+            px.url + "/v1/chat/completions",
+            json={"model": "policy", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": "Bearer not-a-token"},
+        )
+        assert bad.status_code == 401
         m = scrape(px.url)
+    # the calls: each answered one counted once, with its mode; the refused one under its status, mode none;
+    # the token histograms' sums are the recorded ids' lengths
+    assert value(m, "lightning_sdk_calls_total", route="chat.completions", status="200", mode="passthrough") == 3
+    assert value(m, "lightning_sdk_calls_total", route="chat.completions", status="401", mode="none") == 1
+    assert value(m, "lightning_sdk_calls_total") == 4
+    assert value(m, "lightning_sdk_call_duration_seconds_count", route="chat.completions") == 4
+    assert value(m, "lightning_sdk_call_duration_seconds_sum") > 0
+    assert value(m, "lightning_sdk_call_tokens_count", kind="prompt") == 3
+    assert value(m, "lightning_sdk_call_tokens_sum", kind="prompt") == sum(len(c["prompt_ids"]) for c in calls)
+    assert value(m, "lightning_sdk_call_tokens_sum", kind="completion") == sum(len(c["completion_ids"]) for c in calls)
+    assert value(m, "lightning_sdk_calls_in_flight") == 0
     # the recorder: every call and the reward committed, nothing queued, one write latency per batch
     assert value(m, "lightning_sdk_recorded_total", kind="call") == 3
     assert value(m, "lightning_sdk_recorded_total", kind="reward") == 1

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 import lightning_sdk.proxy.call as call_module
+from lightning_sdk.proxy import ProxyConfig
 from lightning_sdk.proxy.observe import CallEnd, CallObserver, CallStart, FinishEvent, RewardEvent
 from tests.support.mock_openai import MockOpenAI
 from tests.support.proxy import run_proxy
@@ -127,14 +128,16 @@ def test_a_failed_call_is_observed_with_its_error_and_recorded_call(tmp_path: Pa
 
 
 def test_no_observer_allocates_nothing(upstream: RunningServer, tmp_path: Path, monkeypatch: Any) -> None:
-    """Without observers the pipeline never builds an event: a ``CallStart`` that cannot be built does not matter."""
+    """Without observers (and the metrics off) the pipeline never builds an event: a ``CallStart`` that cannot be
+    built does not matter."""
 
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("an observer event was built with no observer")
 
     monkeypatch.setattr(call_module, "CallStart", never)
     monkeypatch.setattr(call_module, "CallEnd", never)
-    with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db") as px:
+    off = ProxyConfig(metrics=False)  # the Prometheus call metrics are an observer too (proxy/call_metrics.py)
+    with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", config=off) as px:
         s = px.session({"q": 1})
         client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)
         assert client.chat.completions.create(model="policy", messages=_MSGS, max_tokens=8).choices

@@ -16,6 +16,7 @@ from lightning_sdk.errors import StoreError
 from lightning_sdk.proxy import Recorder
 from lightning_sdk.store import SQLiteStore
 from lightning_sdk.types import Call, Reward
+from tests.support.waiting import until_async
 
 
 class GatedStore:
@@ -58,12 +59,12 @@ async def test_back_pressure_batches_and_flush(tmp_path: Path) -> None:
     for i in range(4):  # one is taken by the writer (blocked on the gate), three fill the queue
         await asyncio.wait_for(recorder.add_call(_call(claim, i)), 1.0)
     blocked = asyncio.ensure_future(recorder.add_call(_call(claim, 4)))
-    await asyncio.sleep(0.1)
-    assert not blocked.done()  # back-pressure: the producer waits instead of queueing without bound
-    assert recorder.pending == 5
+    await until_async(lambda: recorder.pending == 5, timeout=5, what="the fifth call counted")
+    assert not blocked.done()  # back-pressure: the producer waits (its first step ran) instead of queueing
+    assert gated.batches == []  # nothing can make room while the writer is held at the gate
 
     flushed = asyncio.ensure_future(recorder.flush(claim.attempt.attempt_id))
-    await asyncio.sleep(0.05)
+    await until_async(lambda: len(recorder._waiters) == 1, timeout=5, what="the flush waiting")
     assert not flushed.done()
     gated.gate.set()
     await asyncio.wait_for(blocked, 2.0)

@@ -217,13 +217,13 @@ def test_per_turn_credit_gives_each_call_its_discounted_return() -> None:
 def test_groups_of_one_rollout_are_counted_kept_for_export_or_dropped_for_training() -> None:
     """A group with one trained rollout (a hand-opened session) has no baseline: grpo hands it its raw reward. The
     export keeps it (every succeeded attempt has a row); training leaves it out unless asked
-    (``drop_single_groups``)."""
+    (``train_single_groups = False``)."""
     single = _group("s", [_rollout("s", 0, 1.0)])
     pair = _group("p", [_rollout("p", 0, 1.0), _rollout("p", 1, 0.0)])
     kept = build_records([single, pair])
     assert kept.single_groups == 1 and {r.group_id for r in kept.records} == {"s", "p"}
     assert kept.summary()["single_groups"] == 1
-    dropped = build_records([single, pair], RecordsConfig(advantage=AdvantageConfig(drop_single_groups=True)))
+    dropped = build_records([single, pair], RecordsConfig(advantage=AdvantageConfig(train_single_groups=False)))
     assert {r.group_id for r in dropped.records} == {"p"} and dropped.dropped_groups == 1
     note = next(rep.note for rep in dropped.reports if rep.group_id == "s")
     assert note is not None and "group of one" in note

@@ -34,6 +34,9 @@ class PostgresServer:
     """One throwaway PostgreSQL cluster; ``url(db)`` names a database on it, ``create_db``/``drop_db`` manage them."""
 
     def __init__(self, bin_dir: Path, *, fsync: bool = False) -> None:
+        """``fsync=False`` (tests): no fsync at all. ``fsync=True`` (benchmarks): WAL fsynced by the WAL writer but
+        ``synchronous_commit=off``, the durability of ``SQLiteStore``'s default (survives a killed process, may lose
+        the last commits on an OS crash)."""
         self.bin_dir = bin_dir
         self.fsync = fsync
         self.port = 0
@@ -73,7 +76,7 @@ class PostgresServer:
             "-c max_connections=400",
             "-c shared_buffers=128MB",
             f"-c fsync={'on' if self.fsync else 'off'}",
-            f"-c synchronous_commit={'on' if self.fsync else 'off'}",
+            "-c synchronous_commit=off",
             "-c full_page_writes=off" if not self.fsync else "-c full_page_writes=on",
         ]
         for _ in range(5):  # a free port can be taken between the probe and the bind: try another

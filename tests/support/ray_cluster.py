@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,12 @@ class RayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[RayNode] = []
+        # a token of this cluster's own (Ray's token auth): not ~/.ray/auth_token, which other Ray runs on this
+        # machine write too; every process of the cluster and every client gets it through ``env``
+        self.env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN_PATH"}
+        self.env.update(
+            {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        )
         self._head_cpus = head_cpus
         self._head_resources = head_resources or {}
 
@@ -91,8 +98,21 @@ class RayCluster:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def add_node(self, *, num_cpus: int, resources: dict[str, float] | None = None) -> RayNode:
-        return self._start(f"node{len(self.nodes)}", [f"--address={self.address}"], num_cpus, resources or {})
+    def add_node(self, *, num_cpus: int, resources: dict[str, float] | None = None, tries: int = 2) -> RayNode:
+        """Start a node and wait until the cluster counts it. Under heavy load ``ray start`` may give up reaching
+        its own raylet ("Failed to get node info: Deadline Exceeded"): such a start is tried again (once)."""
+        want = len(self.nodes) + 1
+        for attempt in range(tries):
+            node = self._start(f"node{len(self.nodes)}", [f"--address={self.address}"], num_cpus, resources or {})
+            try:
+                self.wait_for_nodes(want)
+                return node
+            except AssertionError:
+                if node.proc.poll() is None or attempt == tries - 1:
+                    raise
+                self.nodes.remove(node)
+                self.kill_node(node)
+        raise AssertionError("unreachable")
 
     def _start(self, name: str, args: list[str], num_cpus: int, resources: dict[str, float]) -> RayNode:
         ports = [free_port() for _ in range(7)]
@@ -109,17 +129,20 @@ class RayCluster:
         if name == "head":
             cmd.append(f"--ray-client-server-port={ports[6]}")
         log = self.base / f"ray-{name}.log"
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         with log.open("wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         node = RayNode(name, proc, log)
         self.nodes.append(node)
         return node
 
     def alive_nodes(self) -> int:
-        out = subprocess.run(
-            [sys.executable, "-c", _COUNT_NODES, self.address], capture_output=True, text=True, timeout=60
-        )
+        try:  # a client's ray.init can take a minute on a loaded machine: then it counts as not yet
+            out = subprocess.run(
+                [sys.executable, "-c", _COUNT_NODES, self.address], capture_output=True, text=True, timeout=90,
+                env=self.env,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return 0
         found = re.search(r"^alive nodes: (\d+)$", out.stdout, re.M)  # Ray may print its own lines around it
         return int(found.group(1)) if out.returncode == 0 and found else 0
 

@@ -27,12 +27,13 @@ def test_import_path_is_public_and_feeds_load_rows(tmp_path: Path) -> None:
     module = la.import_path(tmp_path / "gen.py")
     assert module.rows() == [{"x": 42}]
     assert la.import_path(str(tmp_path / "gen.py")) is module  # imported once per path
-    config = TrainConfig(agent="a.py:agent", base_dir=tmp_path)
-    assert load_rows(config, "gen.py:rows", "data.train") == [{"x": 42}]
+    config = TrainConfig(agent="a.py:agent", base_dir=tmp_path, data={"train": "gen.py:rows"})
+    assert config.data.train == f"{tmp_path}/gen.py:rows"  # resolved once, when the config is built
+    assert load_rows(config.data.train, "data.train") == [{"x": 42}]
     with pytest.raises(ConfigError, match=r"data.train: no file .*missing.py"):
-        load_rows(config, "missing.py:rows", "data.train")
+        load_rows(f"{tmp_path}/missing.py:rows", "data.train")
     with pytest.raises(ConfigError, match="has no function 'nope'"):
-        load_rows(config, "gen.py:nope", "data.train")
+        load_rows(f"{tmp_path}/gen.py:nope", "data.train")
 
 
 class _LateHeartbeat:
@@ -81,7 +82,9 @@ async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> Non
     its failed attempt never trained), not the store's default of one try."""
     import sqlite3
 
-    from lightning_sdk.app.job import build_loop
+    from lightning_sdk.app.loop import TrainingLoop
+    from lightning_sdk.app.parts import build_parts
+    from lightning_sdk.store import open_store
     from lightning_sdk.trainer.config import load_train_config
     from tests.trainer.tiny import build_small_policy, write_config
 
@@ -89,7 +92,10 @@ async def test_train_rollouts_get_the_agents_max_attempts(tmp_path: Path) -> Non
     config = load_train_config(write_config(tmp_path / "train.toml", str(model), rl={"tasks_per_step": 2}))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    loop, parts = build_loop(config, run_dir, model, [{"question": "1+1", "answer": "2"}] * 4, max_attempts=3)
+    parts = build_parts(run_dir, model, engine=config.engine, learner=config.learner)
+    tasks = [{"question": "1+1", "answer": "2"}] * 4
+    loop = TrainingLoop.configured(open_store(run_dir / "store.db"), parts, run_dir, config.rl, train_tasks=tasks,
+                                   max_attempts=3)  # fmt: skip
     try:
         await loop.feed()
     finally:

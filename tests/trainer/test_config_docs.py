@@ -57,7 +57,7 @@ def test_every_component_knob_is_settable_from_the_file_and_with_set(tmp_path: P
     assert (cfg.learner.clip_ratio_c, cfg.learner.loss, cfg.learner.weight_decay) == (2.5, "reinforce", 0.1)
     assert cfg.learner.betas == (0.9, 0.95) and cfg.learner.ppo_epochs == 2
     assert (cfg.warm_start.seed, cfg.warm_start.warmup_steps) == (7, 3)
-    assert cfg.learner_config().temperature == 0.7  # the log-probs use the sampling temperature
+    assert cfg.learner.temperature == 0.7  # the log-probs use the sampling temperature, settled at load
     verl = load_train_config(path, {"backend": "verl", "verl.weight_decay": 0.2, "verl.use_ray": False})
     assert verl.verl is not None and verl.verl.weight_decay == 0.2 and not verl.verl.use_ray
 
@@ -83,10 +83,10 @@ def test_config_errors_name_the_valid_values(tmp_path: Path, overrides: dict[str
 
 def test_store_url_names_the_runs_store(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    assert load_train_config(_write(tmp_path)).store_spec(run_dir) == str(run_dir / "store.db")
+    assert load_train_config(_write(tmp_path)).store.spec(run_dir) == str(run_dir / "store.db")
     url = "postgresql://trainer@db.internal:5432/lightning"
-    assert load_train_config(_write(tmp_path, f'[store]\nurl = "{url}"\n')).store_spec(run_dir) == url
+    assert load_train_config(_write(tmp_path, f'[store]\nurl = "{url}"\n')).store.spec(run_dir) == url
     relative = load_train_config(_write(tmp_path), {"store.url": "shared/store.db"})
-    assert relative.store_spec(run_dir) == str(tmp_path / "shared" / "store.db")  # relative to the config's folder
+    assert relative.store.spec(run_dir) == str(tmp_path / "shared" / "store.db")  # relative to the config's folder
     with pytest.raises(ConfigError, match=r"store\.path"):
         load_train_config(_write(tmp_path, '[store]\npath = "x"\n'))

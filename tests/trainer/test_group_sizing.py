@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from lightning_sdk.app.loop import REST, TrainingLoop, group_ids
+from lightning_sdk.app.loop import TrainingLoop
+from lightning_sdk.app.schedule import REST, Schedule, group_ids
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.records import Record
@@ -116,12 +117,12 @@ async def test_first_rollouts_decide_screen_out_or_grow_and_a_restart_asks_for_n
         assert groups[base + REST][:2] == (2, 2) and groups[base + REST][2] == groups[base][2]
     assert "train-1" + REST not in groups and "train-2" + REST not in groups
     await loop.feed()  # the screened-out groups are decided: two new groups keep four outstanding
-    assert loop.next_task == 6 and _groups(db)["train-5"][:2] == (2, 2)
+    assert loop.schedule.next_task == 6 and _groups(db)["train-5"][:2] == (2, 2)
     await store.close()
 
     store = SQLiteStore(db)  # a restart: nothing in memory, the same decisions from the store
     loop = _loop(store, tmp_path / "run")
-    loop.next_task = 6
+    loop.schedule.next_task = 6
     taken, _ = await loop._take_groups(lambda: True)
     assert [g.group.group_id for g in taken.extend] == ["train-0", "train-3"]
     assert _groups(db) == groups | {k: v for k, v in _groups(db).items() if k in ("train-4", "train-5")}
@@ -143,7 +144,7 @@ async def test_replays_run_whole_groups_and_fresh_tasks_are_screened(tmp_path: P
     loop = _loop(store, tmp_path / "run", sampler=sampler, tasks_per_step=1, max_staleness=0)
     await loop.feed()
     sampler.observe("train-0", [0.0, 1.0])  # informative: its task is queued for a replay
-    loop.next_task, loop.consumed = 1, {1: {"trained": ["train-0"], "dropped": []}}
+    loop.schedule.next_task, loop.consumed = 1, {1: {"trained": ["train-0"], "dropped": []}}
     await loop.feed()
     groups = _groups(tmp_path / "store.db")
     assert groups["train-0"][:2] == (2, 2) and groups["train-1"][:2] == (4, 4)  # the replay: whole at once
@@ -162,11 +163,11 @@ async def test_staleness_of_screening_and_grown_groups(tmp_path: Path) -> None:
     assert [g.group.group_id for g in taken.extend] == ["train-0", "train-2", "train-4", "train-6"]
     await _run(store, {f"train-{k}-rest": [0.0, 0.0] for k in range(0, 8, 2)}, version=1)
     loop.version = 2  # first rollouts two versions old, the rest one: within the bound
-    assert [group_ids(g)[0] for g in loop._split_fresh(await store.finished_groups(limit=64)).fresh] == [
-        f"train-{k}" for k in range(0, 8, 2)
-    ]
+    assert [
+        group_ids(g)[0] for g in loop.schedule.split(await store.finished_groups(limit=64), loop.version).fresh
+    ] == [f"train-{k}" for k in range(0, 8, 2)]
     loop.version = 3  # the rest two versions old: stale, both parts dropped together
-    taken = loop._split_fresh(await store.finished_groups(limit=64))
+    taken = loop.schedule.split(await store.finished_groups(limit=64), loop.version)
     assert taken.fresh == [] and group_ids(taken.stale[0]) == ["train-0", "train-0-rest"]
     assert [g.group.group_id for g in taken.screened] == ["train-1", "train-3", "train-5", "train-7"]
     await store.close()
@@ -181,11 +182,13 @@ async def test_staleness_of_screening_and_grown_groups(tmp_path: Path) -> None:
     await store.consume_groups(1, ["train-0"])  # as a step would after dropping it stale
     await _run(store, {"train-0-rest": [1.0, 1.0], "train-1-rest": [1.0, 1.0]}, version=1)
     loop.version = 2  # train-1 waited too: first rollouts two versions old, rest one -> still fine
-    taken = loop._split_fresh(await store.finished_groups(limit=64))
+    taken = loop.schedule.split(await store.finished_groups(limit=64), loop.version)
     assert [g.group.group_id for g in taken.stale] == ["train-0-rest"]  # orphaned rest
     assert [group_ids(g) for g in taken.fresh] == [["train-1", "train-1-rest"]]
     loop.version = 3
-    assert [g.group.group_id for g in loop._split_fresh(await store.finished_groups(limit=64)).stale] == [
+    assert [
+        g.group.group_id for g in loop.schedule.split(await store.finished_groups(limit=64), loop.version).stale
+    ] == [
         "train-1",  # now its rest is two versions old: dropped, with its rest
         "train-0-rest",
     ]
@@ -241,7 +244,7 @@ def test_screen_samples_must_fit_the_group() -> None:
     with pytest.raises((ConfigError, ValueError), match="drop_zero_variance"):
         RLConfig(samples_per_task=8, screen_samples=4, drop_zero_variance=False)
     with pytest.raises(ValueError, match="screen_samples"):
-        TrainingLoop(None, _Engine(), None, "unused", samples_per_task=4, screen_samples=4)  # type: ignore[arg-type]
+        Schedule(None, samples_per_task=4, screen_samples=4)  # type: ignore[arg-type]
 
 
 async def test_a_rest_beyond_the_first_page_of_finished_groups_is_found(tmp_path: Path) -> None:

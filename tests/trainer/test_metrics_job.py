@@ -31,7 +31,7 @@ async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path
     )
     config = load_train_config(path)
     async with open_job(config, tmp_path / "run", require_train=True) as job:
-        workers = await RLWorkers.start(job.loop, load_agent(config.resolve(config.agent)), 4)
+        workers = await RLWorkers.start(job.loop, load_agent(config.agent), 4)
         try:
             await job.loop.train_steps(2)
         finally:
@@ -41,6 +41,8 @@ async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path
             r = await client.get("/metrics")
         counts = await job.loop.store.counts()
         served = job.parts.engine.policy_version
+        groups, _ = await job.loop.store.list_group_details(split=None, limit=1000)
+    calls = [c for g in groups for r in g.rollouts for a in r.attempts for c in a.calls]
     assert r.status_code == 200
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -60,4 +62,11 @@ async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path
     assert value("lightning_sdk_rollouts", status="succeeded") == counts.get("succeeded", 0) > 0
     # every succeeded attempt ended through the proxy's finish barrier (the workers' finish)
     assert value("lightning_sdk_attempts_ended_total", status="succeeded") >= counts.get("succeeded", 0)
-    assert value("lightning_sdk_recorded_total", kind="call") > 0
+    assert value("lightning_sdk_recorded_total", kind="call") == len(calls) > 0
+    # the calls through the daemon's proxy (token mode over the embedded engine): every recorded call counted once,
+    # its ids in the token histograms
+    assert value("lightning_sdk_calls_total", mode="token") >= len(calls)
+    with_ids = [c for c in calls if c.prompt_ids or c.completion_ids]  # a call cut off by the release has none
+    assert value("lightning_sdk_call_tokens_count", kind="completion", mode="token") == len(with_ids)
+    assert value("lightning_sdk_call_tokens_sum", kind="prompt") == sum(len(c.prompt_ids) for c in calls)
+    assert value("lightning_sdk_call_tokens_sum", kind="completion") == sum(len(c.completion_ids) for c in calls)

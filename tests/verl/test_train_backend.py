@@ -141,9 +141,7 @@ def test_config_errors_name_the_valid_values(
 
 def test_the_verl_section_reaches_verl_config(tmp_path: Path, small_policy: Path) -> None:
     """``[verl]`` is verl's own config (its defaults, our keys on top), with the policy directory and the sampling
-    temperature; launch keys stay out of ``VerlConfig``."""
-    from lightning_sdk.app.parts import verl_config
-
+    temperature (settled when the config is loaded); launch keys stay out of ``VerlConfig``."""
     path = _config(
         tmp_path,
         small_policy,
@@ -152,7 +150,9 @@ def test_the_verl_section_reaches_verl_config(tmp_path: Path, small_policy: Path
         verl={"device": "cpu", "use_ray": False, "lr": 3e-5, "clip_ratio_low": 0.1, "weight_decay": 0.01},
         **{"verl.overrides": {'"trainer.seed"': 7}},
     )
-    cfg = verl_config(load_train_config(path), small_policy)
+    section = load_train_config(path).verl
+    assert section is not None and section.temperature == 0.7
+    cfg = section.verl_config(str(small_policy))
     assert (cfg.lr, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.weight_decay) == (3e-5, 0.1, 0.28, 0.01)
     assert cfg.temperature == 0.7 and not hasattr(cfg, "use_ray")
     assert cfg.device == "cpu" and cfg.overrides == {"trainer.seed": 7} and cfg.model_dir == str(small_policy)
@@ -173,7 +173,8 @@ async def test_a_server_engine_gets_checkpoint_directories(tmp_path: Path, small
     from lightning_sdk.engines.sglang import SGLangEngine
 
     path = _config(tmp_path, small_policy, "", engine={"kind": "sglang", "urls": ["http://127.0.0.1:9"]})
-    parts = build_parts(load_train_config(path), tmp_path, small_policy)
+    config = load_train_config(path)
+    parts = build_parts(tmp_path, small_policy, engine=config.engine, learner=config.learner)
     try:
         assert isinstance(parts.engine, ServedEngine) and isinstance(parts.engine.inner, SGLangEngine)
         assert parts.engine.inner.base_urls == ["http://127.0.0.1:9"]

@@ -60,7 +60,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             break
     assert match, first
     # served during the run: answers 503 until the run has its store, then the run's overview
-    until(lambda: httpx.get(match.group(1) + "api/overview").status_code == 200, timeout=120, what="the viewer")
+    def answers() -> bool:
+        try:
+            return httpx.get(match.group(1) + "api/overview", timeout=30).status_code == 200
+        except httpx.TimeoutException:
+            return False
+
+    until(answers, timeout=120, what="the viewer")
     assert httpx.get(match.group(1) + "api/overview").json()["run_dir"] == str(out)
     rest, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, first + rest.decode()[-3000:]

@@ -21,8 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_sdk.tokens import message_key
-from lightning_sdk.tokens._parsers import trailing_partial
+from lightning_sdk.tokens import message_key, trailing_partial
 from lightning_sdk.types import Call
 
 __all__ = [

@@ -1,0 +1,61 @@
+"""The warm start of a job (both ``train`` and ``daemon``): supervised steps on the learner's model
+(``policy/warm_start.py``, with the ``[warm_start]`` section as its config), stopped on the success measured through
+the proxy on the job's validation tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_sdk.agent import Agent
+from lightning_sdk.app.loop import RunStopped, evaluate, never
+from lightning_sdk.policy.warm_start import warm_start
+
+if TYPE_CHECKING:
+    from lightning_sdk.app.job import Job
+
+__all__ = ["run_warm_start"]
+
+
+async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = never) -> dict[str, Any] | None:
+    """Supervised steps on the learner's model, when configured and not done before (a resumed run skips it; None
+    then). Every ``eval_every`` steps the engine gets the weights and the agent is evaluated on the validation tasks
+    through the proxy (split ``warmup-N``: sampled as ``[eval]`` says). ``stop()`` ends it at the next supervised
+    step or evaluation with ``RunStopped`` (nothing is checkpointed: a re-run warm-starts again)."""
+    if not job.needs_warm_start or stop():
+        return None
+    job.view.set_phase("warm start")
+    model = job.parts.model
+    assert model is not None  # open_job checked: only the embedded backend warm-starts
+    loop, workers, note, val = job.loop, job.config.eval.workers, job.view.note, job.tasks.validation
+    event_loop = asyncio.get_running_loop()
+    rounds = 0
+
+    def evaluate_model(model: torch.nn.Module) -> float:  # runs in the warm start's thread
+        nonlocal rounds
+        rounds += 1
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        async def go() -> float:
+            await loop.engine.update_weights(state, loop.version)
+            res = await evaluate(loop, agent, val, f"warmup-{rounds}", workers, stop)
+            return float(res["success_rate"])
+
+        success = asyncio.run_coroutine_threadsafe(go(), event_loop).result()
+        note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
+        return success
+
+    result = await asyncio.to_thread(
+        warm_start, model, loop.engine.tokenizer, job.tasks.demonstrations, evaluate_model, job.config.warm_start, stop
+    )
+    if result.stopped:
+        raise RunStopped(loop.step)
+    reset = getattr(loop.learner, "reset_optimizer", None)
+    if reset is not None:  # the supervised steps moved the weights the optimizer's moments were for
+        reset()
+    await loop.engine.update_weights(await asyncio.to_thread(loop.weights), loop.version)
+    note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s")
+    return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}

@@ -1,0 +1,247 @@
+"""Many proxies, one store: two real ``lightning-sdk proxy`` processes on one PostgreSQL database (the session's real
+server, tests/conftest.py) in front of one loopback mock upstream serve the same attempts.
+
+- an attempt's calls alternate between the two proxies: one numbering, every call recorded once with its exact ids,
+  and the finish (on either proxy) counts the calls both recorded;
+- a finish on one proxy raced against a call on the other, 200 times: a call is answered 200 only if it landed
+  before the finish (and the finish counted it), else 409, and nothing lands after a finish;
+- one proxy SIGKILLed under load while the agents (``LLM(fallback_urls=...)``) fail over to the other: no answered
+  call lost, none recorded twice, every recorded call's ids and answer exactly what the agent got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from lightning_sdk.agent import LLM
+from lightning_sdk.store.postgres import PostgresStore
+from lightning_sdk.types import AttemptStatus, RolloutDetail
+from tests.support.mock_openai import MockOpenAI
+from tests.support.postgres import PostgresServer
+from tests.support.servers import free_port, run_server
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "many-proxies-key"
+ADMIN = {"Authorization": f"Bearer {KEY}"}
+
+
+class ProxyProcess:
+    def __init__(self, upstream: str, store_url: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = ["--upstream", upstream, "--store", store_url, "--port", str(self.port), "--admin-key", KEY]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_sdk", "proxy", *args, "--retries", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            cwd=ROOT,
+        )
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, "the proxy exited early"
+            try:
+                if httpx.get(self.url + "/lightning/v1/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"the proxy on {self.url} did not become healthy")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def mock() -> MockOpenAI:
+    return MockOpenAI(record_requests=False)
+
+
+@pytest.fixture(scope="module")
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """One database for the module's two proxies (started once: ~10 s each on a loaded machine)."""
+    url = postgres_server.create_db("lsdk_many_proxies")
+    try:
+        yield url
+    finally:
+        postgres_server.drop_db("lsdk_many_proxies")
+
+
+@pytest.fixture(scope="module")
+def proxies(mock: MockOpenAI, postgres_url: str) -> Iterator[tuple[ProxyProcess, ProxyProcess]]:
+    """Two proxy processes on one store; the SIGKILL test, last in this file, kills the first."""
+    with run_server(mock.app) as upstream:
+        a, b = ProxyProcess(upstream.url + "/v1", postgres_url), ProxyProcess(upstream.url + "/v1", postgres_url)
+        try:
+            a.wait_healthy()
+            b.wait_healthy()
+            yield a, b
+        finally:
+            a.stop()
+            b.stop()
+
+
+def _read(url: str, rollout_id: str) -> RolloutDetail:
+    async def read() -> RolloutDetail:
+        store = PostgresStore(url, listen=False)
+        try:
+            return await store.get_rollout(rollout_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+def _messages(i: int) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": f"question number {i}: what is {i} + {i}?"}]
+
+
+def test_an_attempts_calls_alternate_between_two_proxies(
+    proxies: tuple[ProxyProcess, ProxyProcess], mock: MockOpenAI, postgres_url: str
+) -> None:
+    a, b = proxies
+    s = httpx.post(a.url + "/lightning/v1/sessions", json={"task": {"q": 1}}, headers=ADMIN).json()
+    auth = {"Authorization": f"Bearer {s['token']}"}
+    ids = []
+    for i in range(10):
+        proxy = (a, b)[i % 2]
+        r = httpx.post(
+            proxy.url + "/v1/chat/completions", json={"model": "policy", "messages": _messages(i)}, headers=auth
+        )
+        assert r.status_code == 200, r.text
+        ids.append(r.headers["x-lightning-call-id"])
+    done = httpx.post(b.url + "/lightning/v1/finish", json={"status": "succeeded"}, headers=auth).json()
+    assert done["status"] == "succeeded" and done["calls"] == 10  # b counts the calls a recorded too
+    calls = _read(postgres_url, s["rollout_id"]).attempts[0].calls
+    assert [c.call_id for c in calls] == ids and [c.seq for c in calls] == list(range(10))
+    for i, c in enumerate(calls):
+        prompt, completion, logprobs, _ = mock.expected_ids(_messages(i), mock.reply_for({"messages": _messages(i)}))
+        assert (c.prompt_ids, c.completion_ids, c.logprobs) == (prompt, completion, logprobs)
+    late = httpx.post(a.url + "/v1/chat/completions", json={"model": "policy", "messages": _messages(0)}, headers=auth)
+    assert late.status_code == 409  # a finished on b: a may still trust its cache, the store refuses the call
+
+
+def test_finish_raced_against_calls_on_the_other_proxy(
+    proxies: tuple[ProxyProcess, ProxyProcess], postgres_url: str
+) -> None:
+    a, b = proxies
+    tries = 200
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, int, int]:
+        s = (await client.post(a.url + "/lightning/v1/sessions", json={"task": {"i": i}}, headers=ADMIN)).json()
+        auth = {"Authorization": f"Bearer {s['token']}"}
+        warm = await client.post(b.url + "/v1/chat/completions", json={"model": "policy", "messages": _messages(i)},
+                                 headers=auth)  # fmt: skip
+        assert warm.status_code == 200  # b now trusts the token for its TTL
+        call = client.post(b.url + "/v1/chat/completions", json={"model": "policy", "messages": _messages(i + 1)},
+                           headers=auth)  # fmt: skip
+        finish = client.post(a.url + "/lightning/v1/finish", json={"status": "succeeded"}, headers=auth)
+        answered, done = await asyncio.gather(call, finish)
+        assert answered.status_code in (200, 409), answered.text
+        assert done.status_code == 200, done.text
+        return s["rollout_id"], 1 + (answered.status_code == 200), done.json()["calls"]
+
+    async def run() -> list[tuple[str, int, int]]:
+        gate = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=60) as client:
+
+            async def bounded(i: int) -> tuple[str, int, int]:
+                async with gate:
+                    return await one(client, i)
+
+            return await asyncio.gather(*(bounded(i) for i in range(tries)))
+
+    results = asyncio.run(run())
+    with psycopg.connect(postgres_url) as conn:
+        mine = [rid for rid, _, _ in results]
+        stored = dict(
+            conn.execute(
+                "SELECT rollout_id, COUNT(*) FROM calls WHERE rollout_id = ANY(%s) GROUP BY rollout_id", (mine,)
+            ).fetchall()
+        )
+    # per attempt: the calls in the store == the calls answered 200 == what its finish counted under the row lock
+    # (a call landing after the finish would make the store hold more than the finish counted)
+    wrong = [
+        (rid, ok, counted, stored.get(rid, 0))
+        for rid, ok, counted in results
+        if not stored.get(rid, 0) == ok == counted
+    ]
+    assert wrong == []
+    assert sum(n for _, n, _ in results) == sum(stored.values())
+    late_ok = sum(1 for _, n, _ in results if n == 2)
+    print(f"{tries} races: {late_ok} calls landed before their finish, {tries - late_ok} refused with 409")
+
+
+def test_a_proxy_killed_under_load_loses_no_answered_call(
+    proxies: tuple[ProxyProcess, ProxyProcess], mock: MockOpenAI, postgres_url: str
+) -> None:
+    a, b = proxies
+    mock.delay_s = 0.01  # calls are in flight when the proxy dies
+    n_agents, n_calls = 8, 12
+    answered: dict[str, list[tuple[str, str, int]]] = {}  # rollout -> (call id, content, message index)
+    killed = asyncio.Event()
+
+    async def agent(i: int, client_http: httpx.AsyncClient) -> None:
+        s = (await client_http.post(a.url + "/lightning/v1/sessions", json={"task": {"i": i}}, headers=ADMIN)).json()
+        llm = LLM(base_url=a.url + "/v1", api_key=s["token"], fallback_urls=(b.url + "/v1",))
+        client = llm.async_openai_client(max_retries=0, timeout=30)
+        mine = answered.setdefault(s["rollout_id"], [])
+        try:
+            for k in range(n_calls):
+                m = i * 100 + k
+                raw = await client.chat.completions.with_raw_response.create(model="policy", messages=_messages(m))  # type: ignore[arg-type]
+                reply = raw.parse()
+                mine.append((raw.headers["x-lightning-call-id"], reply.choices[0].message.content or "", m))
+                if sum(len(v) for v in answered.values()) >= n_agents * 3 and not killed.is_set():
+                    killed.set()
+                    a.proc.send_signal(signal.SIGKILL)
+        finally:
+            await client.close()
+        done = await client_http.post(b.url + "/lightning/v1/finish", json={"status": "succeeded"},
+                                      headers={"Authorization": f"Bearer {s['token']}"})  # fmt: skip
+        assert done.status_code == 200 and done.json()["calls"] >= len(mine), done.text
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client_http:
+            await asyncio.gather(*(agent(i, client_http) for i in range(n_agents)))
+
+    asyncio.run(run())
+    assert killed.is_set() and a.proc.wait(timeout=30) == -signal.SIGKILL
+    extra = 0
+    for rollout_id, mine in answered.items():
+        detail = _read(postgres_url, rollout_id)
+        assert detail.attempts[0].attempt.status is AttemptStatus.SUCCEEDED
+        calls = {c.call_id: c for c in detail.attempts[0].calls}
+        assert len(mine) == n_calls
+        assert len({cid for cid, _, _ in mine}) == n_calls  # no answer given twice
+        for call_id, content, m in mine:  # 0 lost, ids and answer intact
+            c = calls[call_id]
+            prompt, completion, logprobs, _ = mock.expected_ids(
+                _messages(m), mock.reply_for({"messages": _messages(m)})
+            )
+            assert (c.prompt_ids, c.completion_ids, c.logprobs) == (prompt, completion, logprobs)
+            assert c.response["choices"][0]["message"]["content"] == content
+        assert len({c.seq for c in calls.values()}) == len(calls)  # one numbering across both proxies
+        extra += len(calls) - n_calls  # committed on the killed proxy but never answered (the agent re-sent it)
+    assert extra <= n_agents  # at most the calls in flight on the killed proxy
+    print(f"killed one proxy under load: {n_agents * n_calls} answered calls recorded, {extra} unanswered extra")

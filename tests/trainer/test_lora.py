@@ -1,0 +1,102 @@
+"""LoRA in the embedded learner (``[learner] lora``, PEFT): only the adapter trains, and what is published is the
+base model with the adapter merged, which the embedded engine serves exactly as the trained model computes.
+
+Real parts: PEFT's LoRA over a small Qwen3 built from a config (the default tiny policy's architecture), the real
+learner step and the real embedded engine; nothing is faked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from lightning_sdk.engines.base import Sampling
+from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.errors import TrainerError
+from lightning_sdk.trainer.learner import Learner, LearnerConfig, LoraSettings, TrainBatch, token_logprobs
+
+
+def _model() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True, eos_token_id=1,
+        pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(cfg)  # type: ignore[no-untyped-call]
+
+
+def _batch() -> TrainBatch:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 64, (4, 12), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [-0.5]]).expand_as(ids).clone()
+    return TrainBatch(
+        input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
+        logprobs=torch.full(ids.shape, -4.0), advantages=advantages,
+    )  # fmt: skip
+
+
+def test_lora_trains_only_the_adapter_and_publishes_the_merged_weights() -> None:
+    base = _model()
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    learner = Learner(base, LearnerConfig(lr=5e-2, lora=lora))
+    n_train = sum(p.numel() for p in learner.trainable())
+    assert n_train == 2 * 2 * (4 * 32 + 32 * 4)  # 2 layers x (q, v) x (A + B)
+    for _ in range(3):
+        learner.update(_batch())
+    merged = learner.weights()
+    assert set(merged) == set(before)  # the base model's own names: the engine loads it as any full state
+    changed = {k for k in merged if not torch.equal(merged[k], before[k])}
+    assert changed == {f"model.layers.{i}.self_attn.{m}.weight" for i in (0, 1) for m in ("q_proj", "v_proj")}
+    frozen = {n for n, p in learner.model.named_parameters() if ".lora_" not in n}
+    assert all(not dict(learner.model.named_parameters())[n].requires_grad for n in frozen)
+    # the merged weights compute what the adapted model computes
+    plain = _model()
+    plain.load_state_dict(merged)
+    ids = _batch().input_ids
+    with torch.no_grad():
+        ours, _ = token_logprobs(learner.model, ids, torch.ones_like(ids), 1.0)
+        theirs, _ = token_logprobs(plain, ids, torch.ones_like(ids), 1.0)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+def test_the_embedded_engine_serves_the_published_adapter() -> None:
+    """Base + adapter: the engine's copy of the base gets the merged weights; its sampled log-probs equal the
+    trained (adapted) model's own log-probs of those tokens."""
+    base = _model()
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    )
+    tok.eos_token, tok.pad_token = "t1", "t0"
+    engine = EmbeddedEngine(copy.deepcopy(base), tok)
+    learner = Learner(base, LearnerConfig(lr=5e-2, lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj"])))
+    learner.update(_batch())
+
+    async def run() -> tuple[list[int], list[float]]:
+        try:
+            await engine.update_weights(learner.weights(), version=1)
+            gen = await engine.generate([5, 6, 7, 8], Sampling(max_tokens=6, temperature=1.0, seed=3))
+            return list(gen.completion_ids), list(gen.logprobs)
+        finally:
+            await engine.close()
+
+    ids, lps = asyncio.run(run())
+    full = torch.tensor([[5, 6, 7, 8, *ids]])
+    with torch.no_grad():
+        ours, _ = token_logprobs(learner.model, full, torch.ones_like(full), 1.0)
+    assert torch.allclose(ours[0, 3:], torch.tensor(lps), atol=1e-4)
+
+
+def test_unknown_target_modules_are_refused() -> None:
+    with pytest.raises(TrainerError, match=r"target_modules \['nope'\]"):
+        Learner(_model(), LearnerConfig(lora=LoraSettings(target_modules=["nope"])))
