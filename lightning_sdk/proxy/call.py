@@ -405,6 +405,14 @@ def _earlier(state: AttemptState, store: Store, seq: int, fresh: bool) -> Callab
     return earlier
 
 
+def _traceparent(scope: Scope) -> str | None:
+    """The request's ``traceparent`` header (W3C trace context), for the observers; None when absent."""
+    for name, value in scope["headers"]:
+        if name == b"traceparent":
+            return str(value.decode("latin-1"))
+    return None
+
+
 def _mode(backend: PolicyBackend | ExternalBackend | None) -> Mode | None:
     if backend is None:
         return None
@@ -421,7 +429,7 @@ async def serve_call(
     observers = proxy.observers
     start: CallStart | None = None
     if observers:
-        start = CallStart(adapter.api, route, now(), time.perf_counter())
+        start = CallStart(adapter.api, route, now(), time.perf_counter(), _traceparent(scope))
         notify_started(observers, start)
         started = start.started_at
     else:

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from lightning_sdk.types import Call
+
+if TYPE_CHECKING:
+    from lightning_sdk.store import Store
 
 __all__ = [
     "CallEnd",
@@ -59,13 +62,15 @@ class CallStart:
     ``surface``: the API (``chat.completions``, ``completions``, ``responses``, ``messages``); ``route``: the path
     as matched (``/v1/chat/completions``; a session route keeps its ``/t/{token}`` prefix, the token itself never
     appears); ``started_at``: wall-clock seconds (``lightning_sdk.types.now``, the clock of ``Call.started_at``);
-    ``t0``: ``time.perf_counter()`` at arrival (for durations).
+    ``t0``: ``time.perf_counter()`` at arrival (for durations); ``traceparent``: the request's W3C ``traceparent``
+    header as sent (None when absent; an instrumented harness sends it, and the call's span joins its span).
     """
 
     surface: str
     route: str
     started_at: float
     t0: float
+    traceparent: str | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -133,6 +138,10 @@ class FinishEvent:
 
 class CallObserver:
     """Watches the proxy's calls, rewards and finishes (see the module docstring); every method is a no-op here."""
+
+    def attach(self, store: Store) -> None:
+        """The proxy this observer watches serves from ``store`` (called once, when the proxy is built; an observer
+        may read from it, e.g. a rollout's group and split, but never writes)."""
 
     def call_started(self, start: CallStart) -> None:
         """A request of an LLM route arrived."""

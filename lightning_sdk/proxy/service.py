@@ -99,6 +99,8 @@ class Proxy:
         if metrics is not None:
             metrics.refreshers.append(self._refresh_metrics)
             self.observers = (CallMetrics(metrics), *self.observers)  # calls, latency, tokens, in flight, finishes
+        for observer in self.observers:
+            observer.attach(store)
         after_s = self.config.hang_up_watch_after_s
         self.hang_ups = HangUpSweeper(after_s) if after_s > 0 else None  # arms the calls' hang-up watches
         self.attempts = AttemptCache(

@@ -248,6 +248,10 @@ class Telemetry:
             self._rewards[reward.attempt_id] = kept = []
         kept.append(reward)
 
+    def take_rewards(self, attempt_id: str) -> list[Reward]:
+        """The rewards kept for the attempt (``reward``), handed over and forgotten."""
+        return self._rewards.pop(attempt_id, [])
+
     def attempt(
         self,
         attempt_id: str,

@@ -54,10 +54,15 @@ def test_call_spans_carry_the_recorded_token_counts_and_the_attempt(upstream: Ru
     with http_receiver() as (url, got):
         tel = Telemetry(TelemetryConfig(otlp=url, protocol="http/protobuf", service_name="proxy-under-test"))
         with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", observers=[SpanObserver(tel)]) as px:
-            s = px.session({"q": 1})
+            s = px.session({"q": 1}, group="g-tel")
             client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)
             msgs: Any = [{"role": "user", "content": "hi"}]
-            first = client.chat.completions.create(model="policy", messages=msgs, max_tokens=8)
+            # the harness's own span in the attempt's trace (an instrumented harness sends its traceparent)
+            theirs = 0x1234ABCD
+            joined = f"00-{_hex(attempt_trace_id(s['attempt_id']), 32)}-{_hex(theirs, 16)}-01"
+            first = client.chat.completions.create(
+                model="policy", messages=msgs, max_tokens=8, extra_headers={"traceparent": joined}
+            )
             msgs += [
                 {"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "more"},
@@ -80,7 +85,11 @@ def test_call_spans_carry_the_recorded_token_counts_and_the_attempt(upstream: Ru
             sp = spans[call.call_id]
             a = sp["attributes"]
             assert sp["name"] == "chat policy" and sp["span_id"] == _hex(call_span_id(call.call_id), 16)
-            assert (sp["trace_id"], sp["parent_span_id"]) == (trace, root)  # one trace per attempt
+            # one trace per attempt; the first call is a child of the harness's span it named in its traceparent
+            parent = _hex(theirs, 16) if call.seq == 0 else root
+            assert (sp["trace_id"], sp["parent_span_id"]) == (trace, parent)
+            assert a["rl.group_id"] == detail.rollout.group_id == "g-tel"
+            assert a["rl.split"] == detail.rollout.split
             assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "policy"
             assert a["gen_ai.usage.input_tokens"] == len(call.prompt_ids) > 0
             assert a["gen_ai.usage.output_tokens"] == len(call.completion_ids) > 0
@@ -93,6 +102,7 @@ def test_call_spans_carry_the_recorded_token_counts_and_the_attempt(upstream: Ru
         assert (att["trace_id"], att["span_id"], att["parent_span_id"]) == (trace, root, "")
         assert att["attributes"]["rl.status"] == "succeeded" and att["attributes"]["rl.reward"] == 0.75
         assert att["attributes"]["rl.calls"] == 2
+        assert att["attributes"]["rl.group_id"] == "g-tel" and att["attributes"]["rl.split"] == detail.rollout.split
         assert [e["name"] for e in att["events"]] == ["rl.reward", "rl.finish"]
         assert att["events"][0]["attributes"] == {"rl.reward.name": "reward", "rl.reward.value": 0.75}
         assert att["start"] == int(min(c.started_at for c in calls) * 1e9) <= att["end"]
