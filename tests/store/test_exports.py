@@ -9,6 +9,7 @@ from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, Store
 def test_exported_members() -> None:
     assert sorted(store_pkg.__all__) == [
         "ADMIN_KEY_ENV",
+        "AttemptEnds",
         "Clock",
         "FinishedGroup",
         "HTTPStore",
@@ -20,6 +21,7 @@ def test_exported_members() -> None:
         "load_groups",
         "open_store",
         "reap_leases",
+        "redact_url",
         "run_sync",
         "store_routes",
     ]
