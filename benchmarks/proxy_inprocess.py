@@ -259,20 +259,24 @@ def main() -> None:
         f"\nthe proxy's own CPU per call, in-process ({args.rounds} x {args.calls:,} calls at concurrency "
         f"{args.concurrency}; an engine reply of {len(reply):,} bytes; load average {os.getloadavg()[0]:.2f})\n"
     )
-    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
-    print(head)
-    print("-" * len(head))
-    med = {}
-    for record, label in ((True, "recording (default)"), (False, "recording off")):
-        rs = results[record]
-        med[record] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
-        m = med[record]
-        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
-    on, off = med[True], med[False]
+    on, off = _median_table(results, ("recording (default)", "recording off"))
     print(
         f"\nrecording's share (medians): event loop {on.main_us / off.main_us:.2f}x, process "
         f"{on.process_us / off.process_us:.2f}x, wall {on.wall_us / off.wall_us:.2f}x of the app with recording off"
     )
+
+
+def _median_table(rounds: dict[bool, list[Round]], labels: tuple[str, str]) -> tuple[Round, Round]:
+    """Print the median of each field for the on (True) and off (False) rounds; return the two medians."""
+    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
+    print(head)
+    print("-" * len(head))
+    med = {}
+    for on, label in zip((True, False), labels, strict=True):
+        med[on] = Round(*(statistics.median(getattr(r, f) for r in rounds[on]) for f in Round.__dataclass_fields__))
+        m = med[on]
+        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
+    return med[True], med[False]
 
 
 def compare_metrics(args: argparse.Namespace, reply: bytes) -> None:
@@ -289,16 +293,7 @@ def compare_metrics(args: argparse.Namespace, reply: bytes) -> None:
         f"\nthe proxy's own CPU per call with and without the Prometheus metrics ({args.rounds} alternated rounds of "
         f"{args.calls:,} calls each at concurrency {args.concurrency}; load average {min(load):.2f}-{max(load):.2f})\n"
     )
-    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
-    print(head)
-    print("-" * len(head))
-    med = {}
-    for on, label in ((True, "metrics on (default)"), (False, "metrics off")):
-        rs = rounds[on]
-        med[on] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
-        m = med[on]
-        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
-    on_, off = med[True], med[False]
+    on_, off = _median_table(rounds, ("metrics on (default)", "metrics off"))
     print(
         f"\nmetrics on / off (medians): event loop {on_.main_us / off.main_us:.3f}x, process "
         f"{on_.process_us / off.process_us:.3f}x, wall {on_.wall_us / off.wall_us:.3f}x"
@@ -344,16 +339,7 @@ def compare_telemetry(args: argparse.Namespace, reply: bytes) -> None:
         f"\nthe proxy's own CPU per call with and without OTLP span export ({args.rounds} alternated rounds of "
         f"{args.calls:,} calls each at concurrency {args.concurrency}; load average {min(load):.2f}-{max(load):.2f})\n"
     )
-    head = f"{'':<22}{'event loop us':>14}{'process us':>12}{'of which GC':>12}{'wall us':>9}"
-    print(head)
-    print("-" * len(head))
-    med = {}
-    for on, label in ((True, "telemetry on"), (False, "telemetry off")):
-        rs = rounds[on]
-        med[on] = Round(*(statistics.median(getattr(r, f) for r in rs) for f in Round.__dataclass_fields__))
-        m = med[on]
-        print(f"{label:<22}{m.main_us:>14.1f}{m.process_us:>12.1f}{m.gc_us:>12.1f}{m.wall_us:>9.1f}")
-    on_, off = med[True], med[False]
+    on_, off = _median_table(rounds, ("telemetry on", "telemetry off"))
     print(
         f"\ntelemetry on / off (medians): event loop {on_.main_us / off.main_us:.3f}x, process "
         f"{on_.process_us / off.process_us:.3f}x, wall {on_.wall_us / off.wall_us:.3f}x"
