@@ -4,6 +4,7 @@ training steps, then a scrape parsed by prometheus_client's text parser, checked
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -22,6 +23,26 @@ def small_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_small_policy(tmp_path_factory.mktemp("policy") / "tiny", hidden=32, layers=2)
 
 
+async def settled_scrape(client: httpx.AsyncClient, deadline_s: float = 60.0) -> httpx.Response:
+    """Scrape once no call is being served and the recorder has written everything queued: a call the release cut
+    off is still answered and recorded after ``workers.close()`` returns, so a scrape before that would count it
+    nowhere yet while the store (read after the scrape) already has it."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while True:
+        r = await client.get("/metrics")
+        gauges = {
+            s.name: s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+            if s.name in ("lightning_sdk_calls_in_flight", "lightning_sdk_recorder_queue_depth")
+        }
+        if r.status_code != 200 or (len(gauges) == 2 and not any(gauges.values())):
+            return r
+        assert loop.time() < end, f"calls still in flight or queued after {deadline_s}s: {gauges}"
+        await asyncio.sleep(0.05)
+
+
 async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path: Path, small_policy: Path) -> None:
     path = write_config(
         tmp_path / "daemon.toml",
@@ -38,7 +59,7 @@ async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path
             await workers.close()
         await job.loop.flush_weights()
         async with httpx.AsyncClient(base_url=job.server.url) as client:
-            r = await client.get("/metrics")
+            r = await settled_scrape(client)
         counts = await job.loop.store.counts()
         served = job.parts.engine.policy_version
         groups, _ = await job.loop.store.list_group_details(split=None, limit=1000)
