@@ -31,11 +31,11 @@ from lightning_sdk.types import AttemptStatus
 from tests.support.ray_cluster import RayCluster
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
-pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(500)]
 
 STEPS = 4
 #: the run's own bound (the pytest timeout above leaves room for the diagnosis and the cluster's stop)
-RUN_S = 400.0
+RUN_S = 420.0
 
 
 def _wait(what: str, ready: object, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
