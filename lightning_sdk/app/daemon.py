@@ -153,6 +153,7 @@ async def _place_workers(job: Job) -> _Placed:
         model_dir=job.model_dir,
         sampling=job.sampling,
         host=config.host,
+        shared_store=url if (url := config.store.url) and url.startswith(("postgresql://", "postgres://")) else None,
     )
     placed = _Placed(job, run)
     await placed.write(job.out)

@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 import zlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -306,7 +307,11 @@ class RayEngine:
 
 # -- the learner actor ----------------------------------------------------------------------------------------------
 class LearnerHost:
-    """The embedded ``Learner`` in an actor (created by ``RayLearner.launch``; a sync actor: one method at a time)."""
+    """The embedded ``Learner`` in an actor (created by ``RayLearner.launch``; a sync actor: one method at a time).
+
+    ``token`` names the state the driver gave it (``adopt``, ``load_*``): a restarted actor has none, so a call that
+    carries the driver's token finds out it runs on a fresh actor (even when no call saw the death) and answers
+    ``None`` instead of training or publishing the initial weights."""
 
     def __init__(self, model_dir: str, config: dict[str, Any], pad_id: int) -> None:
         from lightning_sdk.policy.model import load_policy
@@ -315,34 +320,46 @@ class LearnerHost:
         model, _ = load_policy(model_dir)
         self.base = model
         self.learner = Learner(model, LearnerConfig.model_validate(config), pad_id=pad_id)
+        self.token: str | None = None
 
     def where(self) -> dict[str, Any]:
         return {**_where(), "steps": self.learner.steps}
 
-    def step(self, records: list[Record]) -> tuple[dict[str, float], dict[str, Any]]:
+    def adopt(self, token: str) -> None:
+        self.token = token
+
+    def step(self, records: list[Record], token: str) -> tuple[dict[str, float], dict[str, Any]] | None:
         """One step; answers its metrics and the state after it (the driver's checkpoint, a restart's start)."""
+        if token != self.token:
+            return None
         metrics = self.learner.step(records)
         return metrics, self.learner.state_dict()
 
-    def weights(self) -> dict[str, Any]:
-        return self.learner.weights()
+    @ray.method(num_returns=2)
+    def weights(self, token: str) -> tuple[bool, dict[str, Any] | None]:
+        if token != self.token:
+            return False, None
+        return True, self.learner.weights()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.learner.state_dict()
+    def state_dict(self, token: str) -> dict[str, Any] | None:
+        return self.learner.state_dict() if token == self.token else None
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], token: str) -> None:
         self.learner.load_state_dict(state)
+        self.token = token
 
-    def load_weights(self, weights: dict[str, Any]) -> None:
+    def load_weights(self, weights: dict[str, Any], token: str) -> None:
         """The model's weights from the driver (after a warm start there), with a fresh optimizer."""
         self.base.load_state_dict(weights)
         self.learner.reset_optimizer()
+        self.token = token
 
 
 class RayLearner:
-    """The training loop's learner (``LearnerLike``) over a ``LearnerHost`` actor. Every call that finds the actor
-    dead waits (up to ``retry_s``) for Ray's restart, gives the new actor the state of the last step (or the
-    driver's weights before the first) and is made again; ``events`` lists the restarts."""
+    """The training loop's learner (``LearnerLike``) over a ``LearnerHost`` actor. A call that finds the actor dead,
+    or restarted (its state is not the driver's: ``LearnerHost``'s token), waits (up to ``retry_s``) for Ray's
+    restart, gives the new actor the state of the last step (or the driver's weights before the first) and is made
+    again; ``events`` lists the restarts."""
 
     def __init__(self, handle: Any, model: Any, *, retry_s: float) -> None:
         self._handle = handle
@@ -350,6 +367,7 @@ class RayLearner:
         self.retry_s = retry_s
         self.steps = 0
         self._state: dict[str, Any] | None = None  # after the last step (or as loaded): what a restart resumes
+        self._token = uuid.uuid4().hex  # the state the actor has is the driver's (see LearnerHost)
         self._pid: int | None = None
         self._t0 = time.monotonic()
         self.events: list[dict[str, Any]] = []
@@ -377,17 +395,22 @@ class RayLearner:
                 f"cluster offer {cluster.learner_cpus} CPUs and the resource {cluster.learner_resource!r} "
                 f"({_resources()})?"
             ) from None
+        ray.get(learner._handle.adopt.remote(learner._token))
         return learner
 
     def _call(self, what: str, method: str, *args: Any) -> Any:
+        """``method(*args, token)`` on the actor until it answers on the driver's state (None: a restarted actor)."""
         deadline = time.monotonic() + self.retry_s
         while True:
             try:
-                return ray.get(getattr(self._handle, method).remote(*args))
+                out = ray.get(getattr(self._handle, method).remote(*args, self._token))
+                if out is not None:
+                    return out
+                self._recover(what, "a restarted actor (its state is not the driver's)", deadline)
             except _DOWN as exc:
                 self._recover(what, exc, deadline)
 
-    def _recover(self, what: str, exc: BaseException, deadline: float) -> None:
+    def _recover(self, what: str, exc: BaseException | str, deadline: float) -> None:
         """Wait for the restarted actor, then give it the last state."""
         t_down = round(time.monotonic() - self._t0, 2)
         while True:
@@ -401,9 +424,9 @@ class RayLearner:
                     ) from again
                 time.sleep(0.5)
         if self._state is not None:
-            ray.get(self._handle.load_state_dict.remote(self._state))
+            ray.get(self._handle.load_state_dict.remote(self._state, self._token))
         else:
-            ray.get(self._handle.load_weights.remote(self._model.state_dict()))
+            ray.get(self._handle.load_weights.remote(self._model.state_dict(), self._token))
         self.events.append(
             {"part": "learner", "event": "restarted", "during": what, "down_at_s": t_down,
              "back_at_s": round(time.monotonic() - self._t0, 2), "old_pid": self._pid, **where,
@@ -422,14 +445,14 @@ class RayLearner:
 
     def weights(self) -> Any:
         """The learner's weights as an object reference (``RayEngine.update_weights`` hands it to the engines as it
-        is; ``ray.get`` it for the tensors)."""
+        is; ``ray.get`` it for the tensors): only the small ``ok`` answer comes to the driver."""
         deadline = time.monotonic() + self.retry_s
         while True:
-            ref = self._handle.weights.remote()
+            ok, ref = self._handle.weights.remote(self._token)
             try:
-                ray.wait([ref], fetch_local=False)
-                ray.get(self._handle.where.remote())  # still there: the reference stays readable
-                return ref
+                if ray.get(ok):
+                    return ref
+                self._recover("weights", "a restarted actor (its state is not the driver's)", deadline)
             except _DOWN as exc:
                 self._recover("weights", exc, deadline)
 
@@ -441,13 +464,20 @@ class RayLearner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._state = state
         self.steps = int(state["steps"])
-        self._call("load_state_dict", "load_state_dict", state)
+        self._load("load_state_dict", self._handle.load_state_dict, state)
 
     def reset_optimizer(self) -> None:
         """The driver's weights (a warm start trained them) to the actor, with a fresh optimizer."""
         self._state = None
         self.steps = 0
-        self._call("load_weights", "load_weights", self._model.state_dict())
+        self._load("load_weights", self._handle.load_weights, self._model.state_dict())
+
+    def _load(self, what: str, method: Any, value: Any) -> None:
+        """Give the actor ``value`` with the token (a dead one gets the same from ``_recover``: ``_state`` is set)."""
+        try:
+            ray.get(method.remote(value, self._token))
+        except _DOWN as exc:
+            self._recover(what, exc, time.monotonic() + self.retry_s)
 
     def save(self, out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         """The trained model into ``out`` (the learner's weights, written here with the driver's model config)."""
@@ -455,7 +485,11 @@ class RayLearner:
         tokenizer.save_pretrained(str(out))
 
     def where(self) -> dict[str, Any]:
-        return {"part": "learner", **self._call("where", "where")}
+        try:
+            return {"part": "learner", **ray.get(self._handle.where.remote())}
+        except _DOWN as exc:
+            self._recover("where", exc, time.monotonic() + self.retry_s)
+            return {"part": "learner", **ray.get(self._handle.where.remote())}
 
     def close(self) -> None:
         ray.kill(self._handle, no_restart=True)
@@ -463,13 +497,15 @@ class RayLearner:
 
 # -- the proxy actors -----------------------------------------------------------------------------------------------
 class ProxyHost:
-    """A proxy in an actor: token mode over the engine actors, recording into the daemon's store over HTTP. It
-    serves from its first ``url()`` call (again after a restart: same host and port)."""
+    """A proxy in an actor: token mode over the engine actors, recording into ``store`` (``open_store``'s spec: the
+    daemon's store over HTTP, or the run's PostgreSQL store itself, shared with the daemon's proxy: a call is then
+    committed before it is answered, numbered by the store). It serves from its first ``url()`` call (again after a
+    restart: same host and port)."""
 
     def __init__(
-        self, engines: list[Any], model_dir: str, store_url: str, admin_key: str, sampling: Any, host: str, port: int
+        self, engines: list[Any], model_dir: str, store: str, admin_key: str, sampling: Any, host: str, port: int
     ) -> None:
-        self.engines, self.model_dir, self.store_url, self.admin_key = engines, model_dir, store_url, admin_key
+        self.engines, self.model_dir, self.store_url, self.admin_key = engines, model_dir, store, admin_key
         self.sampling, self.host, self.port = sampling, host, port
         self.server: Any = None
 
@@ -481,10 +517,10 @@ class ProxyHost:
             from transformers import AutoTokenizer
 
             from lightning_sdk.app.server import ProxyServer, bind_socket
-            from lightning_sdk.store.http_client import HTTPStore
+            from lightning_sdk.store import open_store
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            store = HTTPStore(self.store_url, self.admin_key)
+            store = open_store(self.store_url, admin_key=self.admin_key)
             engine = RayEngine(self.engines, tokenizer, watch=False)
             server = ProxyServer(bind_socket(self.host, self.port), self.host)
             await server.start(
@@ -574,10 +610,12 @@ class ClusterRun:
         model_dir: Path | None = None,
         sampling: Any = None,
         host: str = "127.0.0.1",
+        shared_store: str | None = None,
     ) -> ClusterRun:
         """``cluster.proxies`` proxy actors over ``engine``'s actors (a ``RayEngine``), then ``cluster.workers``
         worker actors, each calling a proxy actor in turn (the daemon's proxy at ``server_url`` when none) and
-        failing over to the others and the daemon's proxy."""
+        failing over to the others and the daemon's proxy. ``shared_store``: the run's PostgreSQL URL, which the
+        proxy actors then open themselves (else they record into the daemon's store over HTTP)."""
         store_url = f"{server_url}/lightning/v1/store"
         proxies: list[Any] = []
         urls = [server_url]
@@ -594,8 +632,9 @@ class ClusterRun:
                 max_restarts=cluster.max_restarts,
                 max_task_retries=cluster.max_restarts,
             )
+            spec = shared_store or store_url
             proxies = [
-                proxy.remote(engine.handles, str(model_dir), store_url, admin_key, sampling, host, free_port(host))
+                proxy.remote(engine.handles, str(model_dir), spec, admin_key, sampling, host, free_port(host))
                 for _ in range(cluster.proxies)
             ]
             urls = list(await asyncio.gather(*(p.url.remote() for p in proxies)))
