@@ -28,8 +28,8 @@ from pydantic import ValidationError
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError, LightningSDKError, TemplateFeatureError, TokenizationError, UpstreamError
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
-from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
+from lightning_sdk.proxy._backend import CallContext, ChatResult, PolicyBackend, StreamItem
+from lightning_sdk.proxy._errors import ProxyHTTPError, tool_choice_of
 from lightning_sdk.proxy.observe import Mode
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.tokens import (

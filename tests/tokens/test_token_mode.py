@@ -20,9 +20,9 @@ import pytest
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.proxy import PassthroughBackend
-from lightning_sdk.proxy.backend import CallContext, ChatResult
-from lightning_sdk.proxy.errors import ProxyHTTPError
-from lightning_sdk.proxy.shapes import ChatStreamAssembler
+from lightning_sdk.proxy._backend import CallContext, ChatResult
+from lightning_sdk.proxy._errors import ProxyHTTPError
+from lightning_sdk.proxy._shapes import ChatStreamAssembler
 from lightning_sdk.proxy.token_mode import RetokenizingBackend, TokenModeBackend, TokenModeConfig
 from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.tokens import ChatRenderer, get_parser
