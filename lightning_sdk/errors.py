@@ -90,11 +90,13 @@ class AttemptNotRunningError(LightningSDKError):
 
 
 class UpstreamError(LightningSDKError):
-    """The engine or provider behind the proxy failed."""
+    """The engine or provider behind the proxy failed. ``retry_after_s``: how long the caller should wait before
+    it tries again, where the upstream said so (a 429's or 503's ``Retry-After``), else None."""
 
-    def __init__(self, message: str, *, status_code: int = 502) -> None:
+    def __init__(self, message: str, *, status_code: int = 502, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.retry_after_s = retry_after_s
 
 
 class TokenizationError(LightningSDKError):

@@ -49,7 +49,7 @@ __all__ = [
 
 class UpstreamHTTPError(UpstreamError):
     """The engine answered with an HTTP error that is the request's fault (4xx, or 429 with its ``Retry-After``):
-    passed on to the agent with its status (``proxy.call.upstream_refusal``)."""
+    passed on to the agent with its status (``proxy._call.upstream_refusal``)."""
 
     def __init__(
         self,
@@ -59,9 +59,8 @@ class UpstreamHTTPError(UpstreamError):
         payload: dict[str, Any] | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(message, status_code=status_code)
+        super().__init__(message, status_code=status_code, retry_after_s=retry_after_s)
         self.payload = payload
-        self.retry_after_s = retry_after_s
 
 
 @dataclass

@@ -71,8 +71,7 @@ class UpstreamNotReady(UpstreamError):
     """The upstream has not answered yet since the proxy started (503 with ``Retry-After``)."""
 
     def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message, status_code=503)
-        self.retry_after_s = retry_after_s
+        super().__init__(message, status_code=503, retry_after_s=retry_after_s)
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:

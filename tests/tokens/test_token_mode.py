@@ -36,15 +36,19 @@ ADMIN = ADMIN_KEY  # the one test proxy harness's key (tests/support/proxy.py)
 Plan = Message | int | list[int]  # a scripted reply message, a number of random vocabulary tokens, or exact ids
 
 
-class ScriptedEngine:
-    """A fake ``Engine`` over a real tokenizer (see the module docstring)."""
+class ScriptedEngine(Engine):
+    """A fake ``Engine`` over a real tokenizer (see the module docstring). Its capabilities are plain attributes a
+    test sets (``max_model_len``: what the proxy reads as the policy's context, None: unknown)."""
+
+    max_model_len: int | None = None
+    supports_response_format = False
+    supports_top_logprobs = False
 
     def __init__(self, renderer: ChatRenderer, plans: list[Plan], *, version: int = 7, seed: int = 0) -> None:
         self.renderer = renderer
         self.plans = list(plans)
         self.version = version
         self.rng = random.Random(seed)
-        self.max_model_len: int | None = None  # what the proxy reads as the policy's context (None: unknown)
         self.received: list[list[int]] = []
         self.sampled: list[list[int]] = []
         self.logprobs: list[list[float]] = []
@@ -548,7 +552,7 @@ async def test_response_format_reaches_engines_with_guided_decoding() -> None:
 
     renderer = renderer_for("qwen3")
     engine = ScriptedEngine(renderer, [renderer.encode('{"a": 1}<|im_end|>')])
-    engine.supports_response_format = True  # type: ignore[attr-defined]
+    engine.supports_response_format = True
     backend = TokenModeBackend(engine, renderer)  # type: ignore[arg-type]
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     body = {"model": "policy", "messages": [{"role": "user", "content": "json"}], "response_format": schema}
