@@ -567,3 +567,30 @@ async def test_response_format_reaches_engines_with_guided_decoding() -> None:
     )
     assert json.loads(sglang_body["sampling_params"]["json_schema"]) == {"type": "object"}
     assert "response_format" not in VLLMEngine("http://127.0.0.1:1")._body([1], Sampling(), stream=False)
+
+
+async def test_the_engine_wrappers_pass_their_engines_capabilities_on() -> None:
+    """The trainer serves a vLLM/SGLang client through ``ServedEngine`` (and several through ``EnginePool``): token
+    mode reads the capabilities from the wrapper, so the wrapper must pass them on (before, the proxy probed the
+    wrapper with ``getattr`` and refused ``response_format`` for a served vLLM). A pool takes the shortest known
+    context and a capability only when every engine has it; an engine that tells nothing gets the defaults."""
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.engines.pool import EnginePool
+    from lightning_sdk.engines.serving import ServedEngine
+    from lightning_sdk.engines.vllm import VLLMEngine
+
+    renderer = renderer_for("qwen3")
+    vllm = VLLMEngine("http://127.0.0.1:1")
+    served = ServedEngine(vllm, renderer.tokenizer)
+    backend = TokenModeBackend(served, renderer)
+    assert (backend.response_format, backend.top_logprobs, backend.max_model_len) == (True, False, None)
+
+    short, long = ScriptedEngine(renderer, []), ScriptedEngine(renderer, [])
+    short.max_model_len, long.max_model_len = 64, 128
+    long.supports_response_format = True
+    pool = EnginePool([short, long, ScriptedEngine(renderer, [])])
+    assert (pool.max_model_len, pool.supports_response_format, pool.supports_top_logprobs) == (64, False, False)
+    assert TokenModeBackend(pool, renderer).max_model_len == 64
+    assert EnginePool([long]).supports_response_format is True
+    assert EmbeddedEngine.max_model_len is not Engine.max_model_len  # the embedded engine tells its own
+    await vllm.close()
