@@ -258,7 +258,7 @@ def decode_cursor(cursor: str | None) -> int:
 
 def split_resent(calls: list[Call]) -> tuple[list[Call], list[Call]]:
     """A batch of calls as (new calls, re-sent calls). A call with an ``idempotency_key`` may be a re-sent one: its
-    id is derived from its attempt and key (``proxy.call.resent_call_id``), so an id already stored is the same
+    id is derived from its attempt and key (``proxy._call.resent_call_id``), so an id already stored is the same
     logical call made again (the agent never got the first answer) and the store replaces that record with it,
     keeping the stored ``seq`` (the call's place in its attempt); one record per (attempt, key), the last one made
     (the answer the agent used). Any other call keeps the first record of its id (a batch committed twice)."""

@@ -297,7 +297,7 @@ def test_a_call_committed_by_a_proxy_killed_before_it_answered_is_recorded_once(
 def test_a_stream_cut_by_a_proxy_killed_mid_stream_is_not_recorded_and_its_retry_is_once(
     mock: MockOpenAI, postgres_server: PostgresServer
 ) -> None:
-    """A streamed call is committed after its last chunk (proxy/shared.py): proxy A SIGKILLed mid-stream leaves no
+    """A streamed call is committed after its last chunk (proxy/_shared.py): proxy A SIGKILLed mid-stream leaves no
     record of it at all (nothing half-recorded can be trained), the agent's stream fails, and the call it makes
     again (failing over to B) is the one it used: recorded once, whole, with exactly the text the agent read; B's
     finish counts one call."""

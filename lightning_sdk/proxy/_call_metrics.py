@@ -1,6 +1,6 @@
 """The proxy's Prometheus call metrics, and the same as an observer on the call pipeline's seam.
 
-The proxy counts its calls into its ``OpsMetrics`` straight from the pipeline (``proxy/call.py``: two plain calls
+The proxy counts its calls into its ``OpsMetrics`` straight from the pipeline (``proxy/_call.py``: two plain calls
 per request, ``OpsMetrics.call_started`` / ``call_ended``, and ``attempt_ended`` at a finish), not through the
 observer seam: building a ``CallStart`` and a ``CallEnd`` and dispatching them for every call cost more than the
 counting itself (``benchmarks/proxy_inprocess.py --compare-metrics``; docs/proxy.md). Every LLM request counts in
