@@ -219,7 +219,7 @@ def run_command(
     grace: float = typer.Option(30.0, "--grace", help="Seconds in-flight attempts get after SIGTERM."),
     summary_path: Path | None = typer.Option(None, "--summary", help="Write the summary as JSON to this file."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
-    fallback_servers: list[str] = typer.Option(  # noqa: B008 - typer's way to declare a repeatable option
+    fallback_servers: list[str] = typer.Option(
         [],
         "--fallback-server",
         help="Root URL of another proxy on the same store (repeatable): the agents' LLM calls fail over to it.",
