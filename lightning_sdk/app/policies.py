@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, Sampling
+from lightning_sdk.engines.base import Engine, Generation, Sampling
 from lightning_sdk.engines.embedded import AdapterEngine, EmbeddedEngine
 from lightning_sdk.errors import EngineError
 from lightning_sdk.records.record import Record
@@ -72,7 +72,7 @@ class PolicyLearners:
         self.steps = int(state["steps"])
 
 
-class PolicyEngines:
+class PolicyEngines(Engine):
     """The loop's one engine (``ServingEngine``) over the policies' ``AdapterEngine`` s: ``update_weights`` loads
     each policy's adapter state as ``version``; generation goes through a policy (``policies[name]``), never here."""
 

@@ -96,8 +96,7 @@ class ProxyServer:
         admin key); ``telemetry``: the proxy's call and attempt spans. ``publish=False``: not published as the
         policy's resource (a cluster's extra proxies)."""
         from lightning_sdk.app.policies import PolicyEngines
-        from lightning_sdk.proxy import ProxyConfig, create_app
-        from lightning_sdk.proxy.backend import PolicyBackend
+        from lightning_sdk.proxy import PolicyBackend, ProxyConfig, create_app
         from lightning_sdk.proxy.router import PolicyRouter
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
 __all__ = ["AdapterEngine", "EmbeddedEngine", "PrefixCache"]
@@ -176,7 +176,7 @@ class PrefixCache:
         return 0, None
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(Engine):
     """Token-in/token-out generation with a local HF model on CPU or one GPU (implements ``Engine``)."""
 
     #: a waiting request joins the running batch after at most this many decode steps (see ``_admit_now``)
@@ -550,7 +550,7 @@ class EmbeddedEngine:
         return None
 
 
-class AdapterEngine:
+class AdapterEngine(Engine):
     """One LoRA adapter of an ``EmbeddedEngine`` as an ``Engine`` (a policy of a multi-policy run): its requests run
     the adapter over the shared base; ``update_weights`` loads the adapter's PEFT state dict (``Learner.weights`` of a
     LoRA learner with ``merged=False``) and serves it as that policy's ``version``. ``close`` leaves the shared

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy._backend import CallContext, ChatResult, PolicyBackend, StreamItem
+from lightning_sdk.proxy._errors import ProxyHTTPError
 from lightning_sdk.proxy.observe import Mode
 
 __all__ = ["PolicyRouter"]
