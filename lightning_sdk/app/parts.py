@@ -105,6 +105,8 @@ def build_parts(
                 served.stop_servers()
             raise
     pad = tokenizer.pad_token_id
+    if cluster is not None and cluster.ray and cluster.learner:  # the learner as a Ray actor on its node
+        return _ray_learner_parts(cluster, learner, model_dir, model, tokenizer, served, renderer)
     trainer = Learner(model, learner, pad_id=int(pad) if pad is not None else 0)
     weights: Callable[[], Any] = trainer.weights
     # with LoRA the model holds PEFT's modules: a checkpoint is the merged state (the base model's names)
@@ -119,6 +121,32 @@ def build_parts(
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def _ray_learner_parts(
+    cluster: ClusterConfig,
+    learner: LearnerConfig,
+    model_dir: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    served: ServingEngine,
+    renderer: ChatRenderer,
+) -> Parts:
+    """The embedded learner as a Ray actor (``RayLearner``): its weights go to the engine actors by reference; the
+    driver keeps its copy of the policy for the warm start (the actor gets its weights after it) and the save."""
+    from lightning_sdk.cluster import RayLearner
+
+    pad = tokenizer.pad_token_id
+    actor = RayLearner.launch(cluster, model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
+    return Parts(
+        engine=served,
+        learner=actor,
+        weights=actor.weights,
+        save_model=lambda out: actor.save(out, tokenizer),
+        model=model,
+        closers=[actor.close],
+        renderer=renderer,
+    )
 
 
 def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
 __all__ = ["EmbeddedEngine", "PrefixCache"]
@@ -156,7 +156,7 @@ class PrefixCache:
         return 0, None
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(Engine):
     """Token-in/token-out generation with a local HF model on CPU or one GPU (implements ``Engine``)."""
 
     #: a waiting request joins the running batch after at most this many decode steps (see ``_admit_now``)

@@ -89,7 +89,7 @@ class ServingEngine(Engine, Protocol):
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
 
-class ServedEngine:
+class ServedEngine(Engine):
     """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
 
     def __init__(self, inner: Engine, tokenizer: PreTrainedTokenizerBase, servers: Sequence[Any] = ()) -> None:
@@ -103,6 +103,18 @@ class ServedEngine:
     @property
     def policy_version(self) -> int:
         return self.inner.policy_version
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    @property
+    def supports_response_format(self) -> bool:
+        return self.inner.supports_response_format
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        return self.inner.supports_top_logprobs
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
