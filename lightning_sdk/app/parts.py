@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.serving import EngineConfig, ServedEngine, ServingEngine, disk_checkpoints, open_engine
+from lightning_sdk.engines.serving import (
+    EngineConfig,
+    ServedEngine,
+    ServingEngine,
+    adapter_checkpoints,
+    disk_checkpoints,
+    open_engine,
+)
 from lightning_sdk.errors import ConfigError, TokenizationError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
@@ -94,7 +101,8 @@ def build_parts(
         connect(cluster.ray)
         served = RayEngine.launch(cluster, model_dir, tokenizer, max_batch_size=engine.max_batch_size)
     else:
-        served = open_engine(engine, model, tokenizer, model_dir)
+        lora_rank = learner.lora.rank if isinstance(learner, LearnerConfig) and learner.lora is not None else None
+        served = open_engine(engine, model, tokenizer, model_dir, lora_rank=lora_rank)
     if isinstance(learner, VerlSettings):
         try:
             parts = _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
@@ -111,7 +119,14 @@ def build_parts(
     weights: Callable[[], Any] = trainer.weights
     # with LoRA the model holds PEFT's modules: a checkpoint is the merged state (the base model's names)
     lora = learner.lora is not None
-    if isinstance(served, ServedEngine):
+    if isinstance(served, ServedEngine) and lora and engine.kind == "vllm":
+        # vLLM serves the adapter itself (runtime LoRA loading): each publication is the adapter alone, loaded as a
+        # new adapter name (engines/vllm.py); a state dict handed by the warm start is the same model's, whose
+        # adapter is the one written
+        adapter = adapter_checkpoints(trainer.model, run_dir / "weights")
+        served.write_state = lambda _state: adapter()
+        weights = adapter
+    elif isinstance(served, ServedEngine):
         writer = disk_checkpoints(model, tokenizer, run_dir / "weights")
         served.write_state = writer
         weights = lambda: writer(trainer.weights() if lora else None)  # noqa: E731
