@@ -514,9 +514,6 @@ async def _serve(
     task = asyncio.current_task()
     stream = bool(body.get("stream"))
     try:
-        backend = proxy.backend_for(body["model"])
-        if not adapter.chat and isinstance(backend, ExternalBackend):
-            raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         seq = await state.take_seq(proxy.store)
         if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/_shared.py)
             seq = await proxy.shared.reserve_seq(state.attempt.attempt_id)
@@ -534,6 +531,10 @@ async def _serve(
         state.call_ids.add(ctx.call_id)
         if task is not None:
             state.tasks.add(task)
+        # after the context: a refused model name (404 model_not_found) is recorded as a failed call
+        backend = proxy.backend_for(body["model"])
+        if not adapter.chat and isinstance(backend, ExternalBackend):
+            raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         t = adapter.to_chat(body, ctx, scope, await ctx.earlier_calls() if adapter.reads_earlier_calls else _NO_CALLS)
         if proxy.config.cancel_on_disconnect:
             watch = HangUpWatch(receive, task, proxy.hang_ups)
