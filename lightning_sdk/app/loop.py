@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -96,13 +97,12 @@ def _engine_busy(engine: Any) -> float:
     return float(getattr(engine, "stats", {}).get("busy_s", 0.0))
 
 
-def records_config(rl: RLConfig, engine: object) -> RecordsConfig:
+def records_config(rl: RLConfig, max_model_len: int | None) -> RecordsConfig:
     """How the loop builds records: the ``[rl]`` section's advantage settings (same names as ``AdvantageConfig``'s),
     and rows never longer than the engine's context (``max_model_len`` where the engine tells it): a longer segment
     is cut and flagged ``truncated``, which the fidelity report counts, so no row is trained past the context."""
-    limit = getattr(engine, "max_model_len", None)
     return RecordsConfig(
-        merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
+        merge=MergeOptions(max_length=max_model_len if max_model_len is not None and max_model_len > 0 else None),
         advantage=AdvantageConfig(
             estimator=rl.estimator,
             drop_zero_variance=rl.drop_zero_variance,
@@ -253,7 +253,9 @@ class TrainingLoop:
     ) -> TrainingLoop:
         """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
         ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
-        built = records_config(rl, parts.engine)
+        built = records_config(rl, parts.engine.max_model_len)
+        if parts.policies:  # each policy's records from its own calls
+            built = dataclasses.replace(built, policies=parts.policies)
         sampler = (
             TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
             if rl.replay_share > 0 and train_tasks
@@ -419,8 +421,10 @@ class TrainingLoop:
         taught = {r.group_id for r in built.records}
         useless = [g for g in fresh if g.group.group_id not in taught] + stale + screened
         every = fresh + stale + screened
-        rewards = [r.reward for r in built.reports if r.reward is not None]
-        finals = [r.final_reward for r in built.reports if r.final_reward is not None]  # per-call rewards left out
+        # one value per rollout (with several policies each rollout has a report per policy, with the same reward)
+        once = {r.rollout_id: r for r in built.reports}.values()
+        rewards = [r.reward for r in once if r.reward is not None]
+        finals = [r.final_reward for r in once if r.final_reward is not None]  # per-call rewards left out
         n_rollouts = sum(len(g.rollouts) for g in fresh)
         counts = await self.store.counts()
         wall = clock.wall()

@@ -19,14 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.serving import EngineConfig, ServedEngine, ServingEngine, disk_checkpoints, open_engine
-from lightning_sdk.errors import ConfigError, TokenizationError
+from lightning_sdk.engines.serving import (
+    EngineConfig,
+    ServedEngine,
+    ServingEngine,
+    adapter_checkpoints,
+    disk_checkpoints,
+    open_engine,
+)
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.config import ClusterConfig, VerlSettings
+from lightning_sdk.trainer.config import ClusterConfig, PolicySettings, VerlSettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 if TYPE_CHECKING:
@@ -42,7 +48,8 @@ class LearnerLike(Protocol):
 
     def step(self, records: Sequence[Record]) -> dict[str, float]: ...
 
-    def weights(self) -> dict[str, torch.Tensor]: ...
+    def weights(self) -> dict[str, Any]:  # a state dict (several policies: each policy's adapter state)
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -62,6 +69,7 @@ class Parts:
     model: PreTrainedModel | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
     renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
+    policies: tuple[str, ...] = ()  # several policies in one run (``[policies]``: app/policies.py); empty: one
 
     async def close(self) -> None:
         """Close the engine (and the servers it launched), then shut the backend down."""
@@ -78,15 +86,21 @@ def build_parts(
     learner: LearnerConfig | VerlSettings,
     policy: PolicyConfig | None = None,
     cluster: ClusterConfig | None = None,
+    policies: dict[str, PolicySettings] | None = None,
 ) -> Parts:
     """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says (with ``cluster.ray``, the
     embedded engines as Ray actors: ``lightning_sdk/cluster``), the learner of the learner section handed over
-    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names."""
-    from lightning_sdk.policy.model import load_policy
+    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names.
+    ``policies`` (``[policies]``): several policies, each a LoRA adapter over this one base (``app/policies.py``)."""
+    from lightning_sdk.policy.model import load_policy, policy_renderer
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
     renderer = policy_renderer(policy or PolicyConfig(), tokenizer)
+    if policies:
+        if not isinstance(learner, LearnerConfig):
+            raise ConfigError("[policies] needs the embedded learner ([learner], backend 'embedded')")
+        return _policy_parts(model, tokenizer, renderer, policies, learner, engine)
     served: ServingEngine
     if cluster is not None and cluster.ray and not remote:  # the engines as Ray actors where the GPUs are
         from lightning_sdk.cluster import RayEngine, connect
@@ -94,7 +108,8 @@ def build_parts(
         connect(cluster.ray)
         served = RayEngine.launch(cluster, model_dir, tokenizer, max_batch_size=engine.max_batch_size)
     else:
-        served = open_engine(engine, model, tokenizer, model_dir)
+        lora_rank = learner.lora.rank if isinstance(learner, LearnerConfig) and learner.lora is not None else None
+        served = open_engine(engine, model, tokenizer, model_dir, lora_rank=lora_rank)
     if isinstance(learner, VerlSettings):
         try:
             parts = _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
@@ -111,7 +126,14 @@ def build_parts(
     weights: Callable[[], Any] = trainer.weights
     # with LoRA the model holds PEFT's modules: a checkpoint is the merged state (the base model's names)
     lora = learner.lora is not None
-    if isinstance(served, ServedEngine):
+    if isinstance(served, ServedEngine) and lora and engine.kind == "vllm":
+        # vLLM serves the adapter itself (runtime LoRA loading): each publication is the adapter alone, loaded as a
+        # new adapter name (engines/vllm.py); a state dict handed by the warm start is the same model's, whose
+        # adapter is the one written
+        adapter = adapter_checkpoints(trainer.model, run_dir / "weights")
+        served.write_state = lambda _state: adapter()
+        weights = adapter
+    elif isinstance(served, ServedEngine):
         writer = disk_checkpoints(model, tokenizer, run_dir / "weights")
         served.write_state = writer
         weights = lambda: writer(trainer.weights() if lora else None)  # noqa: E731
@@ -121,6 +143,30 @@ def build_parts(
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def _policy_parts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: ChatRenderer,
+    policies: dict[str, PolicySettings],
+    learner: LearnerConfig,
+    engine: EngineConfig,
+) -> Parts:
+    from lightning_sdk.app.policies import build_policies, save_policies
+
+    engines, learners = build_policies(
+        model, tokenizer, policies, learner, max_batch_size=engine.max_batch_size, threads=engine.threads
+    )
+    return Parts(
+        engine=engines,
+        learner=learners,
+        weights=learners.weights,
+        save_model=lambda out: save_policies(learners, model, tokenizer, out),
+        model=None,  # no warm start: it would train the shared base
+        renderer=renderer,
+        policies=tuple(policies),
+    )
 
 
 def _ray_learner_parts(
@@ -147,21 +193,6 @@ def _ray_learner_parts(
         closers=[actor.close],
         renderer=renderer,
     )
-
-
-def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:
-    """The policy's chat template, probed and chosen (``ChatRenderer.for_policy``: ``policy.chat_template``, a path
-    made absolute when the config was loaded or a built-in name, the model's own, or its family's tool format), set
-    on ``tokenizer`` too: the warm start, the learner's checkpoints and the engines' copies then render with the
-    template the proxy renders with."""
-    from lightning_sdk.tokens import ChatRenderer
-
-    try:
-        renderer = ChatRenderer.for_policy(tokenizer, policy.chat_template, name=policy.model)
-    except TokenizationError as exc:
-        raise ConfigError(f"policy {policy.model!r}: {exc}") from exc
-    tokenizer.chat_template = renderer.chat_template
-    return renderer
 
 
 def _verl_parts(

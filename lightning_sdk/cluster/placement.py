@@ -40,7 +40,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from transformers import PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import ConfigError, EngineError, TrainerError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig
@@ -106,7 +106,7 @@ class EngineHost:
         await self.engine.close()
 
 
-class RayEngine:
+class RayEngine(Engine):
     """The driver's ``ServingEngine`` over the engine actors (see the module docstring). ``events`` lists what
     happened to them: ``{"part", "event": "down"|"back", "t", "error"?}`` (seconds since launch)."""
 
@@ -123,7 +123,7 @@ class RayEngine:
             raise ConfigError("cluster.engines must be at least 1")
         self._handles = handles
         self._tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self._max_model_len = max_model_len
         self.retry_s = retry_s
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0, "resent": 0}
         self._version = 0
@@ -177,6 +177,10 @@ class RayEngine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
 
     def _watching(self) -> None:
         """Start the watch (on the first call: it needs the running loop)."""
