@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lightning_sdk.store import SQLiteStore, run_sync
 from lightning_sdk.types import AttemptStatus
 from tests.support.ray_cluster import RayCluster
+from tests.support.waiting import until
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(420)]
@@ -34,12 +36,15 @@ pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(420)]
 STEPS = 4
 
 
-def _wait(what: str, ready: object, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():  # type: ignore[operator]
+def _wait(what: str, ready: Callable[[], object], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    def held() -> bool:
         assert proc.poll() is None, f"the daemon exited while waiting for {what}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
+        return bool(ready())
+
+    try:
+        until(held, timeout=timeout, what=what, every=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
 
 
 def _metric(url: str, name: str, **labels: str) -> float:

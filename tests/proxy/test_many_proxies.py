@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lightning_sdk.types import AttemptStatus, RolloutDetail
 from tests.support.mock_openai import MockOpenAI
 from tests.support.postgres import PostgresServer
 from tests.support.servers import free_port, run_server
+from tests.support.waiting import answers, until
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "many-proxies-key"
@@ -51,16 +51,11 @@ class ProxyProcess:
         )
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert self.proc.poll() is None, "the proxy exited early"
-            try:
-                if httpx.get(self.url + "/lightning/v1/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"the proxy on {self.url} did not become healthy")
+            return answers(self.url + "/lightning/v1/health")
+
+        until(healthy, timeout=90, what=f"the proxy on {self.url} to become healthy", every=0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

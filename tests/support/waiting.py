@@ -1,7 +1,7 @@
 """Wait for an observable state instead of sleeping and hoping: the condition is checked until it holds, and the
 timeout is only an upper bound that fails the test (a slow machine waits longer, a fast one does not wait).
 
-These two loops are the suite's one place that polls (``tests/test_no_sleeps.py`` counts every other ``sleep(``): a
+These two loops are the suite's one place that polls (``tests/test_no_sleeps.py`` counts every other sleep call): a
 condition may assert (a subprocess that died, a server that exited) to fail at once instead of at the timeout, and
 ``until_async`` also awaits a condition that is a coroutine (a store read)."""
 
@@ -12,7 +12,17 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable
 
-__all__ = ["until", "until_async"]
+import httpx
+
+__all__ = ["answers", "until", "until_async"]
+
+
+def answers(url: str, status: int = 200) -> bool:
+    """Whether a GET of ``url`` answers ``status`` now (False while nothing listens yet): for ``until``."""
+    try:
+        return httpx.get(url, timeout=1.0).status_code == status
+    except httpx.HTTPError:
+        return False
 
 
 def until(
