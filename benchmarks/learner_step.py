@@ -16,9 +16,14 @@ hits them alike and torch's per-thread settings do not leak):
 - ``separate``: the shared prompt, pi_old from a separate no-grad pass (the code before ``reuse_first_pass``);
 - ``default``: ``LearnerConfig()``'s defaults;
 - ``bf16``: the defaults with ``precision = "bf16"`` (autocast);
-- ``t1`` / ``t2``: the defaults with ``threads = 1`` / ``2``; ``bf16t1``: bf16 on one thread.
+- ``t1`` / ``t2``: the defaults with ``threads = 1`` / ``2``; ``bf16t1``: bf16 on one thread;
+- ``fused``: the defaults with torch's fused AdamW kernel (``fused=True``) instead of its per-tensor loop;
+- ``compile`` / ``bf16compile``: the model wrapped by ``torch.compile(dynamic=True)`` (fp32 / bf16); its compile
+  time is inside the first repeat's seconds (the later repeats reuse torch's compile cache of this process).
 
-Prints seconds per step and the ratio against ``separate`` (the code before this round), tokens through the model,
+Prints seconds per step (wall, and the process's CPU seconds: on a loaded machine the CPU seconds a step costs
+vary less than its wall time) and the ratios against ``separate`` (the code before this round), tokens through
+the model,
 and for each mode the largest loss difference and the relative difference of the whole update (the weights' change
 over all steps) against ``separate``: an exact change should be ~1e-6, bf16 within the tolerance the tests state.
 """
@@ -53,6 +58,9 @@ MODES: dict[str, dict[str, Any]] = {
     "t1": {"threads": 1},
     "t2": {"threads": 2},
     "bf16t1": {"precision": "bf16", "threads": 1},
+    "fused": {"_fused_adamw": True},
+    "compile": {"_compile": True},
+    "bf16compile": {"precision": "bf16", "_compile": True},
 }
 BEFORE = "separate"
 
@@ -92,13 +100,22 @@ def in_thread(fn: Any) -> Any:
 
 
 def time_mode(
-    model: torch.nn.Module, config: LearnerConfig, work: list[list[Record]]
-) -> tuple[float, list[float], dict[str, torch.Tensor]]:
+    model: torch.nn.Module, config: LearnerConfig, work: list[list[Record]], hooks: dict[str, Any]
+) -> tuple[tuple[float, float], list[float], dict[str, torch.Tensor]]:
     learner = Learner(copy.deepcopy(model), config)  # type: ignore[arg-type]
-    t0 = time.perf_counter()
+    if hooks.get("_fused_adamw"):
+        cfg = learner.config
+        learner.optimizer = torch.optim.AdamW(
+            learner.trainable(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=True
+        )
+        learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, learner._lr_factor)
+    if hooks.get("_compile"):
+        learner.model = torch.compile(learner.model, dynamic=True)  # type: ignore[assignment]
+    t0, c0 = time.perf_counter(), time.process_time()
     losses = [learner.step(records)["loss"] for records in work]
     seconds = (time.perf_counter() - t0) / len(work)
-    return seconds, losses, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    cpu_s = (time.process_time() - c0) / len(work)
+    return (seconds, cpu_s), losses, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
 
 def model_tokens(config: LearnerConfig, model: torch.nn.Module, records: list[Record]) -> int:
@@ -145,15 +162,22 @@ def main() -> None:
         "ppo_epochs": args.ppo_epochs,
         "temperature": 0.6,
     }
-    modes = {name: LearnerConfig(**{**base, **MODES[name]}) for name in names}
+    modes = {
+        name: LearnerConfig(**{**base, **{k: v for k, v in MODES[name].items() if not k.startswith("_")}})
+        for name in names
+    }
     times: dict[str, list[float]] = {name: [] for name in modes}
+    cpu: dict[str, list[float]] = {name: [] for name in modes}
     losses: dict[str, list[float]] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}
     load = [os.getloadavg()[0]]
     for _ in range(args.repeats):
         for name, config in modes.items():
-            seconds, losses[name], weights[name] = in_thread(lambda c=config: time_mode(model, c, work))
+            (seconds, cpu_s), losses[name], weights[name] = in_thread(
+                lambda c=config, n=name: time_mode(model, c, work, {k: v for k, v in MODES[n].items() if k[0] == "_"})
+            )
             times[name].append(seconds)
+            cpu[name].append(cpu_s)
         load.append(os.getloadavg()[0])
     rows = sum(len(r) for r in work) / len(work)
     print(
@@ -162,13 +186,16 @@ def main() -> None:
         f"{min(load):.1f}-{max(load):.1f}; {args.repeats} repeats alternated, medians"
     )
     before = statistics.median(times[BEFORE])
+    before_cpu = statistics.median(cpu[BEFORE])
     for name, config in modes.items():
         tokens = statistics.mean(model_tokens(config, model, r) for r in work)
         median = statistics.median(times[name])
+        median_cpu = statistics.median(cpu[name])
         loss_diff = max(abs(a - b) for a, b in zip(losses[BEFORE], losses[name], strict=True))
         upd = update_difference(start, weights[BEFORE], weights[name])
         print(
-            f"  {name:9s} {median:6.2f} s/step  {before / median:5.2f}x vs {BEFORE}  {tokens:6.0f} tokens/step  "
+            f"  {name:11s} {median:6.2f} s/step {before / median:5.2f}x, CPU {median_cpu:6.2f} s/step "
+            f"{before_cpu / median_cpu:5.2f}x vs {BEFORE}  {tokens:6.0f} tokens/step  "
             f"loss diff {loss_diff:.1e}  update diff {upd:.1e}  (all: {', '.join(f'{t:.2f}' for t in times[name])})"
         )
 

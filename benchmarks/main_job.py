@@ -85,7 +85,10 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
         print(f"stopped short: {summary['stopped_short']}")
     if summary.get("balance"):
         b = summary["balance"]
-        print(f"learner threads: {b['learner_threads']} (pipeline rates by threads, trained tokens/s: {b['rates']})")
+        print(
+            f"learner threads: {b['learner_threads']}, engine threads: {b.get('engine_threads')} "
+            f"(pipeline rates by learner+engine threads, trained tokens/s: {b['rates']})"
+        )
     if measured:
         print(
             f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "

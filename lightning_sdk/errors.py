@@ -17,9 +17,9 @@ drawn under another base)::
      │    │    ├── Http1ConnectError     could not connect (502)
      │    │    ├── Http1ReadTimeout      no answer in time (504)
      │    │    └── Http1ProtocolError    the answer broke HTTP/1.1
-     │    ├── UpstreamHTTPError   the upstream answered an error status (proxy/backend.py)
+     │    ├── UpstreamHTTPError   the upstream answered an error status (proxy/_backend.py)
      │    ├── UpstreamNotReady    the passthrough's upstream is not up yet (proxy/passthrough.py, 503)
-     │    └── MalformedAnswer     the upstream's answer is not the API's shape (proxy/shapes.py)
+     │    └── MalformedAnswer     the upstream's answer is not the API's shape (proxy/_shapes.py)
      ├── TokenizationError        rendering, parsing or a token-fidelity check failed
      │    └── TemplateFeatureError  the policy's chat template cannot render a request feature (tools, ...)
      ├── RecordError              a record or segment is malformed (unequal lengths, ...)
@@ -28,7 +28,7 @@ drawn under another base)::
      │    └── RunStopped          a job was asked to stop before it finished (``step``: the last checkpointed)
      ├── SandboxError             a sandbox could not be created, run or cleaned up (never the agent's fault)
      ├── ProxyHTTPError           an HTTP error answer the proxy gives, with its status and the field at fault
-     │                            (proxy/errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
+     │                            (proxy/_errors.py; the table lightning_sdk.http_errors maps the others to HTTP)
      └── TransientAnswer          a try whose answer arrived but is to be retried (_retry.py; carries the answer)
 
 The classes without a module here are defined in this file; the others live beside the code that raises them.
@@ -90,11 +90,13 @@ class AttemptNotRunningError(LightningSDKError):
 
 
 class UpstreamError(LightningSDKError):
-    """The engine or provider behind the proxy failed."""
+    """The engine or provider behind the proxy failed. ``retry_after_s``: how long the caller should wait before
+    it tries again, where the upstream said so (a 429's or 503's ``Retry-After``), else None."""
 
-    def __init__(self, message: str, *, status_code: int = 502) -> None:
+    def __init__(self, message: str, *, status_code: int = 502, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.retry_after_s = retry_after_s
 
 
 class TokenizationError(LightningSDKError):

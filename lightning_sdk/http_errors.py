@@ -5,7 +5,7 @@ Every error answer has the OpenAI shape::
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
 ``ERROR_TABLE`` maps the library's exceptions to (status, type, code), first match wins (subclasses first); the
-proxy (``lightning_sdk.proxy.errors``) and the store's HTTP server and client (``lightning_sdk.store._wire``) all
+proxy (``lightning_sdk.proxy._errors``) and the store's HTTP server and client (``lightning_sdk.store._wire``) all
 read it, so the same exception is the same answer on every route, and a client maps the ``code`` back to the same
 exception. ``UpstreamError`` keeps its own status (502 bad answer, 503 not reachable yet, 504 timeout).
 

@@ -229,7 +229,7 @@ class Call(_Model):
     def from_checked(cls, **fields: Any) -> Call:
         """A ``Call`` from values the caller has already checked against the field types (every field given):
         no validation and no copies of the id and log-prob lists. The proxy's hot path uses it for answers whose
-        ids and log-probs ``proxy/shapes.py`` checked (validating them again cost ~3 us a call); anything else
+        ids and log-probs ``proxy/_shapes.py`` checked (validating them again cost ~3 us a call); anything else
         goes through ``Call(...)``. Equal to ``Call(**fields)`` for such values (tested)."""
         if list(fields) != _CALL_ORDER:  # the fields in declaration order: the order model_dump_json writes them
             if fields.keys() != _CALL_FIELDS:

@@ -8,25 +8,52 @@ import importlib
 import inspect
 import pkgutil
 import re
+import sys
+from pathlib import Path
 
 import lightning_sdk
 import lightning_sdk.errors as errors
 from lightning_sdk.errors import LightningSDKError, RunStopped, SandboxError, TrainerError, UpstreamError
 from lightning_sdk.http1 import Http1ConnectError, Http1ReadTimeout
-from lightning_sdk.proxy.errors import ProxyHTTPError, from_sdk_error
+from lightning_sdk.proxy._errors import ProxyHTTPError, from_sdk_error
+
+ROOT = Path(lightning_sdk.__file__).parent
+
+
+def _module_names() -> list[str]:
+    """Every module of the package, from its files: namespace folders (``engines/`` has no ``__init__``) and private
+    modules (``sandbox/_base.py``) included, which ``pkgutil.walk_packages`` does not all reach."""
+    names = []
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("lightning_sdk", *path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts[-1] != "__main__":  # runs the CLI when imported
+            names.append(".".join(parts))
+    return names
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:
     """Every exception class defined in a module of the package, by qualified name."""
     found: dict[str, type[BaseException]] = {}
-    for info in pkgutil.walk_packages(lightning_sdk.__path__, "lightning_sdk."):
-        if info.name == "lightning_sdk.__main__":
-            continue  # runs the CLI when imported
-        module = importlib.import_module(info.name)
+    for name in _module_names():
+        module = importlib.import_module(name)
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and obj.__module__ == module.__name__ and issubclass(obj, BaseException):
                 found[f"{module.__name__}.{name}"] = obj
     return found
+
+
+def test_the_walk_reaches_every_module() -> None:
+    """The sandbox's private modules and the engines (a folder without ``__init__``) are walked too: the old walk
+    (``pkgutil.walk_packages``) never imported ``lightning_sdk.engines.*``."""
+    names = set(_module_names())
+    assert {"lightning_sdk.sandbox._base", "lightning_sdk.sandbox._local", "lightning_sdk.sandbox._spec"} <= names
+    assert {"lightning_sdk.engines.base", "lightning_sdk.engines.vllm", "lightning_sdk.engines.embedded"} <= names
+    walked = {info.name for info in pkgutil.walk_packages(lightning_sdk.__path__, "lightning_sdk.")}
+    assert "lightning_sdk.engines.base" not in walked  # why the walk goes by files
+    _exception_classes()
+    assert [name for name in names if name not in sys.modules] == []  # each one imported, its classes seen
 
 
 def _drawn_tree() -> dict[str, str | None]:

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.errors import UpstreamError
-from lightning_sdk.proxy.backend import CallContext
+from lightning_sdk.proxy._backend import CallContext
 from lightning_sdk.proxy.passthrough import PassthroughBackend, PassthroughConfig
 from lightning_sdk.types import Attempt
 from tests.support.mock_openai import MockOpenAI

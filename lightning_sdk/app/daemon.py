@@ -5,18 +5,24 @@
       ─▶ train ``rl.steps`` steps on the groups external workers finish (``lightning-sdk run ... --server URL``)
       ─▶ model
 
-With ``[cluster] ray`` (``--ray ADDRESS``) the engines are Ray actors (``app/parts.py``) and ``cluster.workers``
-worker actors run the agent against this daemon (``lightning_sdk/cluster``); ``cluster.json`` in the run directory
-says where each part runs (rewritten after every step), and ``summary.json`` ends the run with the steps, the wall
-time and what happened to the actors.
+With ``[cluster] ray`` (``--ray ADDRESS``) the engines and the learner are Ray actors (``app/parts.py``) and
+``cluster.workers`` worker actors run the agent against this daemon (``lightning_sdk/cluster``); ``cluster.json`` in
+the run directory says where each part runs (rewritten after every step), and ``summary.json`` ends the run with the
+steps, the wall time and what happened to the actors.
 
-Raises ``RunStopped`` when ``stop()`` turned true before the last step (the checkpoint resumes).
+Raises ``RunStopped`` when ``stop()`` turned true before the last step (the checkpoint resumes). ``kill -USR1`` a
+running daemon to have it print every thread's stack and every asyncio task's to stderr (where a stuck run waits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
+import io
 import json
+import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +53,8 @@ async def run_daemon(
     """Serve, warm-start if configured, enqueue ``data.train`` for the workers and train ``rl.steps`` steps."""
     t0 = time.perf_counter()
     cluster = config.cluster
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not on Windows / not the main thread
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_stacks)
     tries = cluster.max_attempts if cluster.ray else 1
     async with open_job(
         config, run_dir, view=view, admin_key=admin_key, on_ready=on_ready, require_train=False, max_attempts=tries
@@ -68,8 +76,10 @@ async def run_daemon(
             await job.loop.train_steps(config.rl.steps, on_step=on_step, stop=stop)
         finally:
             if placed is not None:
-                workers = await placed.run.stop()
                 await asyncio.gather(*steps, return_exceptions=True)
+                with contextlib.suppress(Exception):  # where the parts ended (a restarted actor may have moved)
+                    await asyncio.wait_for(placed.write(job.out), 60)
+                workers = await placed.run.stop()
         if job.loop.step < config.rl.steps:
             raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
@@ -86,11 +96,27 @@ async def run_daemon(
                     "placements": placed.last,
                     "engine_events": getattr(job.parts.engine, "events", []),
                     "engine_resent_calls": job.parts.engine.stats.get("resent", 0),
+                    "learner_events": getattr(job.parts.learner, "events", []),
+                    "learner_steps": job.parts.learner.steps,
+                    "engines": await where() if (where := getattr(job.parts.engine, "where", None)) else [],
                     "workers": workers,
                 },
             }
             (job.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return {"steps": job.loop.step, "model_dir": str((job.out / "model").resolve()), "url": job.server.url}
+
+
+def dump_stacks() -> None:
+    """Every thread's stack and every asyncio task's, to stderr (``kill -USR1`` a daemon: where does it wait?)."""
+    faulthandler.dump_traceback(all_threads=True)
+    out = io.StringIO()
+    tasks = asyncio.all_tasks()
+    out.write(f"--- {len(tasks)} asyncio tasks ---\n")
+    for task in tasks:
+        out.write(f"{task!r}\n")
+        task.print_stack(limit=12, file=out)
+    sys.stderr.write(out.getvalue())
+    sys.stderr.flush()
 
 
 class _Placed:
@@ -105,7 +131,9 @@ class _Placed:
         engine = self.job.parts.engine
         where = getattr(engine, "where", None)
         engines = await where() if where is not None else []
-        self.last = [*engines, *await self.run.placements()]
+        learner = getattr(self.job.parts.learner, "where", None)  # a RayLearner (sync: its actor answers between steps)
+        learners = [await asyncio.to_thread(learner)] if learner is not None else []
+        self.last = [*engines, *learners, *await self.run.placements()]
         tmp = out / "cluster.json.tmp"
         tmp.write_text(json.dumps({"step": self.job.loop.step, "parts": self.last}, indent=2))
         tmp.replace(out / "cluster.json")

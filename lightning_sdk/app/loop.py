@@ -96,13 +96,12 @@ def _engine_busy(engine: Any) -> float:
     return float(getattr(engine, "stats", {}).get("busy_s", 0.0))
 
 
-def records_config(rl: RLConfig, engine: object) -> RecordsConfig:
+def records_config(rl: RLConfig, max_model_len: int | None) -> RecordsConfig:
     """How the loop builds records: the ``[rl]`` section's advantage settings (same names as ``AdvantageConfig``'s),
     and rows never longer than the engine's context (``max_model_len`` where the engine tells it): a longer segment
     is cut and flagged ``truncated``, which the fidelity report counts, so no row is trained past the context."""
-    limit = getattr(engine, "max_model_len", None)
     return RecordsConfig(
-        merge=MergeOptions(max_length=limit if isinstance(limit, int) and limit > 0 else None),
+        merge=MergeOptions(max_length=max_model_len if max_model_len is not None and max_model_len > 0 else None),
         advantage=AdvantageConfig(
             estimator=rl.estimator,
             drop_zero_variance=rl.drop_zero_variance,
@@ -253,7 +252,7 @@ class TrainingLoop:
     ) -> TrainingLoop:
         """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
         ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
-        built = records_config(rl, parts.engine)
+        built = records_config(rl, parts.engine.max_model_len)
         sampler = (
             TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
             if rl.replay_share > 0 and train_tasks

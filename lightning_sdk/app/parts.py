@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.serving import EngineConfig, ServedEngine, ServingEngine, disk_checkpoints, open_engine
+from lightning_sdk.engines.serving import (
+    EngineConfig,
+    ServedEngine,
+    ServingEngine,
+    adapter_checkpoints,
+    disk_checkpoints,
+    open_engine,
+)
 from lightning_sdk.errors import ConfigError, TokenizationError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
@@ -94,7 +101,8 @@ def build_parts(
         connect(cluster.ray)
         served = RayEngine.launch(cluster, model_dir, tokenizer, max_batch_size=engine.max_batch_size)
     else:
-        served = open_engine(engine, model, tokenizer, model_dir)
+        lora_rank = learner.lora.rank if isinstance(learner, LearnerConfig) and learner.lora is not None else None
+        served = open_engine(engine, model, tokenizer, model_dir, lora_rank=lora_rank)
     if isinstance(learner, VerlSettings):
         try:
             parts = _verl_parts(learner, run_dir, model_dir, served, tokenizer, remote)
@@ -105,11 +113,20 @@ def build_parts(
                 served.stop_servers()
             raise
     pad = tokenizer.pad_token_id
+    if cluster is not None and cluster.ray and cluster.learner:  # the learner as a Ray actor on its node
+        return _ray_learner_parts(cluster, learner, model_dir, model, tokenizer, served, renderer)
     trainer = Learner(model, learner, pad_id=int(pad) if pad is not None else 0)
     weights: Callable[[], Any] = trainer.weights
     # with LoRA the model holds PEFT's modules: a checkpoint is the merged state (the base model's names)
     lora = learner.lora is not None
-    if isinstance(served, ServedEngine):
+    if isinstance(served, ServedEngine) and lora and engine.kind == "vllm":
+        # vLLM serves the adapter itself (runtime LoRA loading): each publication is the adapter alone, loaded as a
+        # new adapter name (engines/vllm.py); a state dict handed by the warm start is the same model's, whose
+        # adapter is the one written
+        adapter = adapter_checkpoints(trainer.model, run_dir / "weights")
+        served.write_state = lambda _state: adapter()
+        weights = adapter
+    elif isinstance(served, ServedEngine):
         writer = disk_checkpoints(model, tokenizer, run_dir / "weights")
         served.write_state = writer
         weights = lambda: writer(trainer.weights() if lora else None)  # noqa: E731
@@ -119,6 +136,32 @@ def build_parts(
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def _ray_learner_parts(
+    cluster: ClusterConfig,
+    learner: LearnerConfig,
+    model_dir: Path,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    served: ServingEngine,
+    renderer: ChatRenderer,
+) -> Parts:
+    """The embedded learner as a Ray actor (``RayLearner``): its weights go to the engine actors by reference; the
+    driver keeps its copy of the policy for the warm start (the actor gets its weights after it) and the save."""
+    from lightning_sdk.cluster import RayLearner
+
+    pad = tokenizer.pad_token_id
+    actor = RayLearner.launch(cluster, model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
+    return Parts(
+        engine=served,
+        learner=actor,
+        weights=actor.weights,
+        save_model=lambda out: actor.save(out, tokenizer),
+        model=model,
+        closers=[actor.close],
+        renderer=renderer,
+    )
 
 
 def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:

@@ -29,7 +29,8 @@ from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.app.warmup import run_warm_start
-from lightning_sdk.trainer.balance import ThreadBalance
+from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.trainer.balance import Split, ThreadBalance, default_splits
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.learner import Learner
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
@@ -96,24 +97,25 @@ async def run_training(
                 else None
             )
 
-            # the learner's share of the cores, chosen from the first steps' measures (trainer/balance.py)
+            # the split of the cores between learner and engine, chosen from the first steps' measures
+            # (trainer/balance.py; the engine's threads where it is the embedded engine)
             learner = loop.learner if isinstance(loop.learner, Learner) else None
+            engine = loop.engine if isinstance(loop.engine, EmbeddedEngine) else None
             balance = (
-                ThreadBalance()
+                ThreadBalance(default_splits(engine=engine is not None and config.engine.threads is None))
                 if learner is not None and learner.config.balance_threads and learner.config.threads is None
                 else None
             )
             if balance is not None and learner is not None:
-                _set_threads(learner, balance.next_threads())
+                _set_split(learner, engine, balance.next_split())
 
             def on_step(report: StepReport) -> None:
                 if balance is not None and learner is not None:
-                    used = learner.config.threads or 0
+                    used = (learner.config.threads or 0, engine.threads if engine is not None else None)
                     tokens = float(report.metrics.get("tokens", 0.0))
                     if balance.observe(used, report.learner_s, tokens, report.tokens_per_s, report.generated_tokens):
-                        rates = ", ".join(f"{k} thread(s) {v:.0f}" for k, v in balance.rates().items())
-                        note(f"learner threads: {balance.chosen} (pipeline rate, trained tokens/s: {rates})")
-                    _set_threads(learner, balance.next_threads())
+                        note(balance.message())
+                    _set_split(learner, engine, balance.next_split())
                 if target is not None:
                     target.observe_step(report.fresh_outcomes)
                 row = report.as_dict()
@@ -212,6 +214,9 @@ def _short(state: dict[str, Any]) -> bool:
     return bool((state.get("rl") or {}).get("stop", {}).get("short"))
 
 
-def _set_threads(learner: Learner, threads: int) -> None:
-    """The learner's intra-op threads from its next step on (it sets them in the thread its step runs in)."""
-    learner.config = learner.config.model_copy(update={"threads": threads})
+def _set_split(learner: Learner, engine: EmbeddedEngine | None, split: Split) -> None:
+    """The learner's intra-op threads from its next step on (it sets them in the thread its step runs in), and the
+    engine's from its next forward pass (where the split names them)."""
+    learner.config = learner.config.model_copy(update={"threads": split[0]})
+    if engine is not None and split[1] is not None:
+        engine.set_threads(split[1])

@@ -1,6 +1,7 @@
 """The job placed on a Ray cluster (``[cluster] ray = ADDRESS``, ``lightning-sdk daemon --ray ADDRESS``).
 
-    driver (the daemon: store, proxy, training loop, embedded learner; verl's ranks are Ray actors of their own)
+    driver (the daemon: store, proxy, training loop; verl's ranks are Ray actors of their own)
+      ├── learner actor   (``[cluster] learner``, the embedded learner on ``learner_resource``'s node)
       ├── engine actors   (``[cluster] engines``, each needing ``engine_resource``: where the GPUs are)
       ├── proxy actors    (``[cluster] proxies``, CPU nodes: token mode over the engine actors, the daemon's store)
       └── worker actors   (``[cluster] workers``, each running ``worker_concurrency`` agent workers, CPU nodes)
@@ -9,6 +10,6 @@ Every actor is restarted by Ray when it dies (``max_restarts``). Ray is imported
 is configured: the single-process default never imports it (docs/scale-out.md, "Placed by Ray").
 """
 
-from lightning_sdk.cluster.placement import ClusterRun, RayEngine, connect
+from lightning_sdk.cluster.placement import ClusterRun, RayEngine, RayLearner, connect
 
-__all__ = ["ClusterRun", "RayEngine", "connect"]
+__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect"]

@@ -3,6 +3,9 @@
     connect(address)                 join the cluster (``ray.init``), this checkout's import path in the actors' env
     RayEngine.launch(config, ...)    ``engines`` engine actors, each needing ``{engine_resource: 1}``; the driver's
                                      ``ServingEngine``: a call goes to its attempt's engine (prefix cache)
+    RayLearner.launch(config, ...)   the embedded learner as an actor (``learner_resource``, ``learner_cpus``): the
+                                     training loop's ``LearnerLike``; its weights go from the learner's node to the
+                                     engines' through Ray's object store (the driver only passes the reference)
     ClusterRun.start(...)            ``proxies`` proxy actors (token mode over the engine actors, recording into
                                      the daemon's store over HTTP), then ``workers`` worker actors, each a
                                      ``WorkerPool`` of ``worker_concurrency`` agent workers claiming train attempts
@@ -14,7 +17,9 @@ the weights of the version being served and sends the call again (up to ``engine
 answers 502 and its attempt fails: it is never trained). Nothing was recorded for the failed try: a call is
 recorded once, with the generation that answered it. A worker actor that dies is restarted and runs its pool again
 (``max_task_retries``); the attempts it was running lose their lease and are retried (``max_attempts``); a cut-off
-attempt never reads as succeeded, so nothing half-done is trained.
+attempt never reads as succeeded, so nothing half-done is trained. A learner actor that dies is restarted too: the
+step it was running is run again, from the state of the last step (each step's state comes back to the driver with
+it, for the checkpoint), on the same records.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +39,13 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from transformers import PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
-from lightning_sdk.errors import ConfigError, EngineError
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.errors import ConfigError, EngineError, TrainerError
+from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig
+from lightning_sdk.trainer.learner import LearnerConfig
 
-__all__ = ["ClusterRun", "RayEngine", "connect"]
+__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +105,7 @@ class EngineHost:
         await self.engine.close()
 
 
-class RayEngine:
+class RayEngine(Engine):
     """The driver's ``ServingEngine`` over the engine actors (see the module docstring). ``events`` lists what
     happened to them: ``{"part", "event": "down"|"back", "t", "error"?}`` (seconds since launch)."""
 
@@ -115,7 +122,7 @@ class RayEngine:
             raise ConfigError("cluster.engines must be at least 1")
         self._handles = handles
         self._tokenizer = tokenizer
-        self.max_model_len = max_model_len
+        self._max_model_len = max_model_len
         self.retry_s = retry_s
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0, "resent": 0}
         self._version = 0
@@ -169,6 +176,10 @@ class RayEngine:
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
 
     def _watching(self) -> None:
         """Start the watch (on the first call: it needs the running loop)."""
@@ -263,7 +274,7 @@ class RayEngine:
     async def update_weights(self, source: Any, version: int) -> None:
         """Send ``source`` (a state dict) to every engine once, through Ray's object store."""
         self._watching()
-        ref = ray.put(source)
+        ref = source if isinstance(source, ray.ObjectRef) else ray.put(source)  # a RayLearner's: already there
         self._weights = (ref, version)
         results = await asyncio.gather(
             *(h.update_weights.remote(ref, version) for h in self._handles), return_exceptions=True
@@ -295,6 +306,163 @@ class RayEngine:
                 await self._watch
         for h in handles:
             ray.kill(h, no_restart=True)
+
+
+# -- the learner actor ----------------------------------------------------------------------------------------------
+class LearnerHost:
+    """The embedded ``Learner`` in an actor (created by ``RayLearner.launch``; a sync actor: one method at a time)."""
+
+    def __init__(self, model_dir: str, config: dict[str, Any], pad_id: int) -> None:
+        from lightning_sdk.policy.model import load_policy
+        from lightning_sdk.trainer.learner import Learner
+
+        model, _ = load_policy(model_dir)
+        self.base = model
+        self.learner = Learner(model, LearnerConfig.model_validate(config), pad_id=pad_id)
+
+    def where(self) -> dict[str, Any]:
+        return {**_where(), "steps": self.learner.steps}
+
+    def step(self, records: list[Record]) -> tuple[dict[str, float], dict[str, Any]]:
+        """One step; answers its metrics and the state after it (the driver's checkpoint, a restart's start)."""
+        metrics = self.learner.step(records)
+        return metrics, self.learner.state_dict()
+
+    def weights(self) -> dict[str, Any]:
+        return self.learner.weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load_state_dict(state)
+
+    def load_weights(self, weights: dict[str, Any]) -> None:
+        """The model's weights from the driver (after a warm start there), with a fresh optimizer."""
+        self.base.load_state_dict(weights)
+        self.learner.reset_optimizer()
+
+
+class RayLearner:
+    """The training loop's learner (``LearnerLike``) over a ``LearnerHost`` actor. Every call that finds the actor
+    dead waits (up to ``retry_s``) for Ray's restart, gives the new actor the state of the last step (or the
+    driver's weights before the first) and is made again; ``events`` lists the restarts."""
+
+    def __init__(self, handle: Any, model: Any, *, retry_s: float) -> None:
+        self._handle = handle
+        self._model = model  # the driver's copy of the policy: what the warm start trains, what a save writes
+        self.retry_s = retry_s
+        self.steps = 0
+        self._state: dict[str, Any] | None = None  # after the last step (or as loaded): what a restart resumes
+        self._pid: int | None = None
+        self._t0 = time.monotonic()
+        self.events: list[dict[str, Any]] = []
+
+    @classmethod
+    def launch(
+        cls, cluster: ClusterConfig, model_dir: Path, config: LearnerConfig, model: Any, *, pad_id: int
+    ) -> RayLearner:
+        """The learner actor on a node with ``learner_resource`` (any node when None), ``learner_cpus`` CPUs."""
+        actor: Any = ray.remote(LearnerHost).options(
+            num_cpus=cluster.learner_cpus,
+            resources={cluster.learner_resource: 1.0} if cluster.learner_resource else None,
+            max_restarts=cluster.max_restarts,
+            max_task_retries=0,  # a step cut off by a death is run again by RayLearner, from the last state
+        )
+        learner = cls(
+            actor.remote(str(model_dir), config.model_dump(mode="json"), pad_id), model, retry_s=cluster.engine_retry_s
+        )
+        try:
+            learner._pid = int(ray.get(learner._handle.where.remote(), timeout=cluster.start_timeout_s)["pid"])
+        except GetTimeoutError:
+            ray.kill(learner._handle)
+            raise ConfigError(
+                f"the learner actor did not start within {cluster.start_timeout_s:.0f} s: does a node of the "
+                f"cluster offer {cluster.learner_cpus} CPUs and the resource {cluster.learner_resource!r} "
+                f"({_resources()})?"
+            ) from None
+        return learner
+
+    def _call(self, what: str, method: str, *args: Any) -> Any:
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                return ray.get(getattr(self._handle, method).remote(*args))
+            except _DOWN as exc:
+                self._recover(what, exc, deadline)
+
+    def _recover(self, what: str, exc: BaseException, deadline: float) -> None:
+        """Wait for the restarted actor, then give it the last state."""
+        t_down = round(time.monotonic() - self._t0, 2)
+        while True:
+            try:
+                where = ray.get(self._handle.where.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except (*_DOWN, GetTimeoutError) as again:
+                if time.monotonic() >= deadline:
+                    raise TrainerError(
+                        f"the learner actor died ({what}) and did not come back within {self.retry_s:.0f} s"
+                    ) from again
+                time.sleep(0.5)
+        if self._state is not None:
+            ray.get(self._handle.load_state_dict.remote(self._state))
+        else:
+            ray.get(self._handle.load_weights.remote(self._model.state_dict()))
+        self.events.append(
+            {"part": "learner", "event": "restarted", "during": what, "down_at_s": t_down,
+             "back_at_s": round(time.monotonic() - self._t0, 2), "old_pid": self._pid, **where,
+             "error": str(exc).splitlines()[0][:300]}
+        )  # fmt: skip
+        self._pid = int(where["pid"])
+        logger.warning("the learner actor was restarted by Ray (pid %s) during %s: resumed at step %d", self._pid,
+                       what, self.steps)  # fmt: skip
+
+    # -- LearnerLike ---------------------------------------------------------------------------------------------------
+    def step(self, records: Sequence[Record]) -> dict[str, float]:
+        metrics, state = self._call(f"step {self.steps + 1}", "step", list(records))
+        self._state = state
+        self.steps += 1
+        return dict(metrics)
+
+    def weights(self) -> Any:
+        """The learner's weights as an object reference (``RayEngine.update_weights`` hands it to the engines as it
+        is; ``ray.get`` it for the tensors)."""
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            ref = self._handle.weights.remote()
+            try:
+                ray.wait([ref], fetch_local=False)
+                ray.get(self._handle.where.remote())  # still there: the reference stays readable
+                return ref
+            except _DOWN as exc:
+                self._recover("weights", exc, deadline)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._state is None:
+            self._state = self._call("state_dict", "state_dict")
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = state
+        self.steps = int(state["steps"])
+        self._call("load_state_dict", "load_state_dict", state)
+
+    def reset_optimizer(self) -> None:
+        """The driver's weights (a warm start trained them) to the actor, with a fresh optimizer."""
+        self._state = None
+        self.steps = 0
+        self._call("load_weights", "load_weights", self._model.state_dict())
+
+    def save(self, out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        """The trained model into ``out`` (the learner's weights, written here with the driver's model config)."""
+        self._model.save_pretrained(str(out), state_dict=ray.get(self.weights()))
+        tokenizer.save_pretrained(str(out))
+
+    def where(self) -> dict[str, Any]:
+        return {"part": "learner", **self._call("where", "where")}
+
+    def close(self) -> None:
+        ray.kill(self._handle, no_restart=True)
 
 
 # -- the proxy actors -----------------------------------------------------------------------------------------------
@@ -333,13 +501,23 @@ class ProxyHost:
 # -- the worker actors ----------------------------------------------------------------------------------------------
 class WorkerHost:
     """A ``WorkerPool`` of agent workers in an actor, claiming train attempts from the daemon's store over HTTP and
-    calling ``server_url`` (the daemon's proxy, or a proxy actor)."""
+    calling ``server_url`` (the daemon's proxy, or a proxy actor); the agents' ``LLM`` fails over to
+    ``fallback_urls`` (the other proxies: a call cut off by its proxy's death is sent again to the next one)."""
 
     def __init__(
-        self, agent: str, store_url: str, server_url: str, admin_key: str, concurrency: int, lease_s: float, name: str
+        self,
+        agent: str,
+        store_url: str,
+        server_url: str,
+        admin_key: str,
+        concurrency: int,
+        lease_s: float,
+        name: str,
+        fallback_urls: tuple[str, ...] = (),
     ) -> None:
         self.agent, self.store_url, self.server_url, self.admin_key = agent, store_url, server_url, admin_key
         self.concurrency, self.lease_s, self.name = concurrency, lease_s, name
+        self.fallback_urls = fallback_urls
         self.stopping = False
         self.pool: Any = None
 
@@ -362,6 +540,7 @@ class WorkerHost:
                 lease_s=self.lease_s,
                 split="train",
                 poll_s=0.2,
+                fallback_urls=self.fallback_urls,
             )
             try:
                 await self.pool.run_until(lambda: self.stopping)
@@ -401,7 +580,8 @@ class ClusterRun:
         host: str = "127.0.0.1",
     ) -> ClusterRun:
         """``cluster.proxies`` proxy actors over ``engine``'s actors (a ``RayEngine``), then ``cluster.workers``
-        worker actors, each calling a proxy actor in turn (the daemon's proxy at ``server_url`` when none)."""
+        worker actors, each calling a proxy actor in turn (the daemon's proxy at ``server_url`` when none) and
+        failing over to the others and the daemon's proxy."""
         store_url = f"{server_url}/lightning/v1/store"
         proxies: list[Any] = []
         urls = [server_url]
@@ -429,6 +609,7 @@ class ClusterRun:
             max_task_retries=cluster.max_restarts,  # a restarted worker runs its pool again
             max_concurrency=4,  # run() and stop() at once
         )
+        everyone = list(dict.fromkeys([*urls, server_url]))  # the proxy actors, then the daemon's own
         handles = [
             actor.remote(
                 agent,
@@ -438,6 +619,7 @@ class ClusterRun:
                 cluster.worker_concurrency,
                 cluster.lease_s,
                 f"ray-worker-{i}",
+                tuple(u for u in everyone if u != urls[i % len(urls)]),
             )
             for i in range(cluster.workers)
         ]

@@ -66,10 +66,29 @@ class GenerationDelta(BaseModel):
 
 @runtime_checkable
 class Engine(Protocol):
-    """A token-in/token-out inference engine serving the policy."""
+    """A token-in/token-out inference engine serving the policy.
+
+    Every engine subclasses it: the three capabilities below have defaults here (an engine that knows better
+    overrides them), so the proxy and the loop read them as typed members, never by probing."""
 
     @property
     def policy_version(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length in tokens (prompt + completion), None where the engine does not tell it: the proxy
+        fits ``max_tokens`` into it and refuses longer prompts, the loop cuts longer rows."""
+        return None
+
+    @property
+    def supports_response_format(self) -> bool:
+        """Whether ``Sampling.response_format`` is honoured (guided decoding); the proxy refuses it (400) if not."""
+        return False
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        """Whether the engine returns each token's top alternatives; the proxy refuses ``top_logprobs`` if not."""
+        return False
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         """Sample a completion for ``input_ids``. ``session_id`` (the attempt) lets multi-server engines keep an

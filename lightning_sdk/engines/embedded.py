@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
 __all__ = ["EmbeddedEngine", "PrefixCache"]
@@ -156,7 +156,7 @@ class PrefixCache:
         return 0, None
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(Engine):
     """Token-in/token-out generation with a local HF model on CPU or one GPU (implements ``Engine``)."""
 
     #: a waiting request joins the running batch after at most this many decode steps (see ``_admit_now``)
@@ -255,6 +255,18 @@ class EmbeddedEngine:
     ) -> AsyncIterator[GenerationDelta]:
         return self._submit(input_ids, sampling, streaming=True)
 
+    @property
+    def threads(self) -> int | None:
+        """The engine thread's intra-op threads asked for (None: the process's)."""
+        return self._threads
+
+    def set_threads(self, threads: int) -> None:
+        """The engine thread's torch intra-op threads from its next forward pass on (``trainer/balance.py`` sets
+        them from measured steps)."""
+        if threads < 1:
+            raise EngineError(f"engine threads must be >= 1, got {threads}")
+        self._threads = threads
+
     async def update_weights(self, source: Any, version: int) -> None:
         """Swap in ``source`` (a state dict or a saved model directory) and serve it as ``version``."""
         state = _load_state(source)
@@ -337,6 +349,9 @@ class EmbeddedEngine:
                     room = self._max_batch_size - batch.live
                     admit, self._pending = self._pending[:room], self._pending[room:]
                 self._running = len(batch.rows) + len(admit)
+            if self._threads and self._threads != self.stats["threads"]:  # set_threads asked for others
+                torch.set_num_threads(self._threads)
+                self.stats["threads"] = torch.get_num_threads()
             t0 = time.perf_counter()
             try:
                 with self._model_lock, torch.inference_mode():

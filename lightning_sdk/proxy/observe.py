@@ -1,7 +1,7 @@
 """The proxy's observer seam: metrics, traces and other watchers hook into the call pipeline here.
 
 A ``CallObserver`` is handed to the proxy as a list (``create_app(..., observers=[...])`` or ``Proxy(...,
-observers=[...])``). The pipeline (``proxy/call.py``) calls, for every request of an LLM route (chat completions,
+observers=[...])``). The pipeline (``proxy/_call.py``) calls, for every request of an LLM route (chat completions,
 completions, Responses, Messages, also under ``/t/<token>``):
 
 * ``call_started(start)`` once, when the request arrives (before its body is read), with a ``CallStart``;

@@ -1,7 +1,7 @@
 """Forward policy calls to an OpenAI-compatible engine and record the token ids the engine returns.
 
 The engine is asked for ``return_token_ids`` and ``logprobs`` (vLLM >= 0.10.2 answers with ``prompt_token_ids``
-and per-choice ``token_ids``; see ``proxy/shapes.py``); fields the agent did not ask for are removed from what it
+and per-choice ``token_ids``; see ``proxy/_shapes.py``); fields the agent did not ask for are removed from what it
 receives. An engine that returns text only still works: its calls are recorded without ids and flagged in
 ``checks`` (``missing_token_ids``) so they are never trained silently.
 
@@ -31,8 +31,8 @@ import orjson
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import UpstreamError
 from lightning_sdk.http1 import Http1Error, Http1Pool, Http1ReadTimeout, Http1Response
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.shapes import (
+from lightning_sdk.proxy._backend import CallContext, ChatResult, PolicyBackend, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy._shapes import (
     ChatStreamAssembler,
     CompletionStreamAssembler,
     EngineTokens,
@@ -71,8 +71,7 @@ class UpstreamNotReady(UpstreamError):
     """The upstream has not answered yet since the proxy started (503 with ``Retry-After``)."""
 
     def __init__(self, message: str, *, retry_after_s: float) -> None:
-        super().__init__(message, status_code=503)
-        self.retry_after_s = retry_after_s
+        super().__init__(message, status_code=503, retry_after_s=retry_after_s)
 
 
 def split_credentials(url: str) -> tuple[str, str | None]:
@@ -99,7 +98,7 @@ class PassthroughBackend(PolicyBackend):
     """
 
     reads_earlier_calls = False
-    """The proxy need not keep each attempt's finished calls in memory for this backend (``proxy/attempts.py``)."""
+    """The proxy need not keep each attempt's finished calls in memory for this backend (``proxy/_attempts.py``)."""
 
     def __init__(self, config: PassthroughConfig | str, **overrides: Any) -> None:
         if isinstance(config, str):

@@ -28,8 +28,8 @@ from pydantic import ValidationError
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError, LightningSDKError, TemplateFeatureError, TokenizationError, UpstreamError
-from lightning_sdk.proxy.backend import CallContext, ChatResult, PolicyBackend, StreamItem
-from lightning_sdk.proxy.errors import ProxyHTTPError, tool_choice_of
+from lightning_sdk.proxy._backend import CallContext, ChatResult, PolicyBackend, StreamItem
+from lightning_sdk.proxy._errors import ProxyHTTPError, tool_choice_of
 from lightning_sdk.proxy.observe import Mode
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.tokens import (
@@ -249,12 +249,9 @@ class TokenModeBackend(PolicyBackend):
         self.parser = parser or get_parser(renderer)
         self.content_parser = _ContentOnly(self.parser)
         self.config = config or TokenModeConfig()
-        engine_len = getattr(engine, "max_model_len", None)
-        self.max_model_len: int | None = self.config.max_model_len or (
-            int(engine_len) if isinstance(engine_len, int) else None
-        )
-        self.response_format = bool(getattr(engine, "supports_response_format", False))
-        self.top_logprobs = bool(getattr(engine, "supports_top_logprobs", False))
+        self.max_model_len: int | None = self.config.max_model_len or engine.max_model_len
+        self.response_format = engine.supports_response_format
+        self.top_logprobs = engine.supports_top_logprobs
         logger.info(
             "token mode: family %s, parser %s, history %s, context %s",
             renderer.family.name,

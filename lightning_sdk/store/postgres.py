@@ -69,7 +69,7 @@ _SCHEMA_LOCK = 0x6C73_646B_7363_6831  # pg_advisory_xact_lock key of schema crea
 class PostgresStore:
     """The ``Store`` protocol over one PostgreSQL database (``url``: a libpq URL, ``postgresql://...``)."""
 
-    shared = True  # many proxies may serve its attempts at once: they keep their barrier here (proxy/shared.py)
+    shared = True  # many proxies may serve its attempts at once: they keep their barrier here (proxy/_shared.py)
 
     def __init__(
         self,

@@ -1,15 +1,19 @@
-"""The learner's share of the cores, chosen from the job's own first RL steps (``[learner] balance_threads``).
+"""The split of the cores between the learner and the embedded engine, chosen from the job's own first RL steps
+(``[learner] balance_threads``).
 
-During RL the engine's thread and the learner's step compute at once. Whether the learner's step should ask torch
-for one core or all of them depends on the machine (its cores, their load, how fast the learner is against the
-engine): with all cores the learner's step is shorter but the engine, sharing them, generates less meanwhile. So
-the first steps measure instead of assuming: step 1 is skipped (allocations, a first batch of odd size), then each
-candidate (1 thread, all cores) runs ``trials`` steps, alternated, and the rest of the job keeps the candidate whose
-steps ran the pipeline fastest. A candidate's rate is the slower of its two sides, in trained tokens per second: the
-learner's (trained tokens / learner seconds) and generation's (generated tokens per second of the step's wall time,
-times the trained tokens per generated token of all trial steps), because the asynchronous job runs at the pace
-of the slower side. Costs nothing but the trial steps themselves; the choice is printed and goes into
-``summary.json`` (``balance``).
+During RL the engine's thread and the learner's step compute at once. How many intra-op threads each should ask
+torch for depends on the machine (its cores, their load, how fast the learner is against the engine): with all
+cores the learner's step is shorter but the engine, sharing them, generates less meanwhile; one thread each splits
+two cores without oversubscribing them. So the first steps measure instead of assuming: step 1 is skipped
+(allocations, a first batch of odd size), then each candidate split (learner threads, engine threads) runs
+``trials`` steps, alternated, and the rest of the job keeps the split whose steps ran the pipeline fastest. A
+candidate's rate is the slower of its two sides, in trained tokens per second: the learner's (trained tokens /
+learner seconds) and generation's (generated tokens per second of the step's wall time, times the trained tokens
+per generated token of all trial steps), because the asynchronous job runs at the pace of the slower side. Costs
+nothing but the trial steps themselves; the choice is printed and goes into ``summary.json`` (``balance``).
+
+The default candidates on ``n`` cores: (1, n) and (n, n) (the learner on one core or all, the engine on all, as
+before) and, where the engine's threads can be set (the embedded engine), the even split (n // 2, n - n // 2).
 """
 
 from __future__ import annotations
@@ -18,12 +22,30 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ThreadBalance"]
+__all__ = ["Split", "ThreadBalance", "default_splits"]
+
+#: (learner threads, engine threads); engine threads None: the engine's are not changed (a remote engine)
+Split = tuple[int, int | None]
+
+
+def default_splits(cores: int | None = None, *, engine: bool = True) -> tuple[Split, ...]:
+    """The candidates on ``cores`` (default: this machine's): see the module docstring."""
+    n = max(1, cores or os.cpu_count() or 1)
+    whole: int | None = n if engine else None
+    splits: list[Split] = [(1, whole), (n, whole)]
+    if engine and n > 1:
+        splits.append((n // 2, n - n // 2))
+    return tuple(dict.fromkeys(splits))
+
+
+def split_name(split: Split) -> str:
+    """``"1+1"``: learner threads + engine threads (``"2+-"`` where the engine's are not set)."""
+    return f"{split[0]}+{'-' if split[1] is None else split[1]}"
 
 
 @dataclass
 class _Trial:
-    threads: int
+    split: Split
     learner_s: float
     trained_tokens: float
     generated_per_s: float
@@ -32,46 +54,49 @@ class _Trial:
 
 @dataclass
 class ThreadBalance:
-    """Picks the learner's intra-op threads among ``candidates`` (default: 1 and all cores) from measured steps."""
+    """Picks the (learner, engine) threads among ``candidates`` (default: ``default_splits()``) from measured
+    steps."""
 
-    candidates: tuple[int, ...] = field(default_factory=lambda: tuple(sorted({1, os.cpu_count() or 1})))
+    candidates: tuple[Split, ...] = field(default_factory=default_splits)
     trials: int = 1
     skip: int = 1
-    chosen: int | None = None
+    chosen: Split | None = None
     _seen: int = 0
     _trials: list[_Trial] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("ThreadBalance needs at least one candidate split")
         if len(self.candidates) == 1:
             self.chosen = self.candidates[0]
 
-    def next_threads(self) -> int:
-        """The threads the next step's learner should use."""
+    def next_split(self) -> Split:
+        """The (learner, engine) threads of the next step."""
         if self.chosen is not None:
             return self.chosen
         return self.candidates[len(self._trials) % len(self.candidates)]
 
     def observe(
-        self, threads: int, learner_s: float, trained_tokens: float, generated_per_s: float, generated_tokens: float
+        self, split: Split, learner_s: float, trained_tokens: float, generated_per_s: float, generated_tokens: float
     ) -> bool:
-        """One step's measures (with ``threads`` the learner used); True when this step made the choice."""
+        """One step's measures (run with ``split``); True when this step made the choice."""
         self._seen += 1
         if self.chosen is not None or self._seen <= self.skip or learner_s <= 0 or trained_tokens <= 0:
             return False
-        self._trials.append(_Trial(threads, learner_s, trained_tokens, generated_per_s, generated_tokens))
+        self._trials.append(_Trial(split, learner_s, trained_tokens, generated_per_s, generated_tokens))
         if len(self._trials) < self.trials * len(self.candidates):
             return False
         rates = self.rates()
-        self.chosen = max(rates, key=lambda t: rates[t])
+        self.chosen = max(rates, key=lambda s: rates[s])
         return True
 
-    def rates(self) -> dict[int, float]:
+    def rates(self) -> dict[Split, float]:
         """Each tried candidate's pipeline rate (trained tokens/s: the slower of the learner's and generation's)."""
         trials = self._trials
         per_generated = sum(t.trained_tokens for t in trials) / max(1.0, sum(t.generated_tokens for t in trials))
-        out: dict[int, float] = {}
+        out: dict[Split, float] = {}
         for c in self.candidates:
-            mine = [t for t in trials if t.threads == c]
+            mine = [t for t in trials if t.split == c]
             if not mine:
                 continue
             learner = sum(t.trained_tokens for t in mine) / sum(t.learner_s for t in mine)
@@ -79,15 +104,29 @@ class ThreadBalance:
             out[c] = min(learner, generation)
         return out
 
+    def message(self) -> str:
+        """The console's line about the choice."""
+        chosen = self.chosen or self.next_split()
+        rates = ", ".join(f"{split_name(s)} {v:.0f}" for s, v in self.rates().items())
+        engine = "unchanged" if chosen[1] is None else str(chosen[1])
+        return (
+            f"learner threads: {chosen[0]}, engine threads: {engine} "
+            f"(pipeline rate by learner+engine threads, trained tokens/s: {rates})"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         """What ``summary.json`` records: the choice and what it was made from."""
         return {
-            "learner_threads": self.chosen,
-            "candidates": list(self.candidates),
-            "rates": {str(k): round(v, 1) for k, v in self.rates().items()} if self._trials else {},
+            "learner_threads": self.chosen[0] if self.chosen else None,
+            "engine_threads": self.chosen[1] if self.chosen else None,
+            "chosen": split_name(self.chosen) if self.chosen else None,
+            "candidates": [split_name(c) for c in self.candidates],
+            "rates": {split_name(k): round(v, 1) for k, v in self.rates().items()} if self._trials else {},
             "trials": [
                 {
-                    "threads": t.threads,
+                    "split": split_name(t.split),
+                    "learner_threads": t.split[0],
+                    "engine_threads": t.split[1],
                     "learner_s": round(t.learner_s, 3),
                     "trained_tokens": t.trained_tokens,
                     "generated_per_s": round(t.generated_per_s, 1),

@@ -205,6 +205,11 @@ class ClusterConfig(_Section):
     engine_retry_s: float = Field(
         120.0, gt=0, description="how long a call cut off by an engine's death waits for its restart and is re-sent"
     )
+    learner: bool = Field(
+        True, description="the embedded learner as an actor of its own (false: in the driver; verl: its own ranks)"
+    )
+    learner_resource: str | None = Field(None, description="a resource the learner actor needs one of (its node)")
+    learner_cpus: float = Field(1.0, ge=0, description="CPUs the learner actor takes")
     proxies: int = Field(
         0, ge=0, description="proxy actors on CPU nodes the worker actors call (0: they call the daemon's proxy)"
     )
@@ -266,6 +271,11 @@ class TrainConfig(_Section):
             raise ValueError(
                 "cluster.ray places embedded engines as Ray actors; with engine.kind "
                 f"{self.engine.kind!r} the servers are given by engine.urls or engine.launch: leave cluster.ray out"
+            )
+        if self.cluster.ray and self.cluster.learner and self.backend == "embedded" and self.learner.lora is not None:
+            raise ValueError(
+                "cluster.learner (the learner as a Ray actor) with learner.lora: not supported yet; "
+                "set cluster.learner = false to train the adapter in the driver"
             )
         if self.verl is not None and self.backend != "verl":
             raise ValueError("a [verl] section needs backend = 'verl'")

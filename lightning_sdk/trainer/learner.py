@@ -99,8 +99,10 @@ class LearnerConfig(BaseModel):
     )
     balance_threads: bool = Field(
         True,
-        description="lightning-sdk train, threads unset: the first RL steps try the learner's step on 1 thread and on "
-        "all cores and keep the one that ran the job faster (trainer/balance.py; printed and in summary.json)",
+        description="lightning-sdk train, threads unset: the first RL steps try splits of the cores between the "
+        "learner's step and the embedded engine (learner+engine threads 1+all, all+all, and the even split where "
+        "engine.threads is unset) and keep the one that ran the job faster (trainer/balance.py; printed and in "
+        "summary.json)",
     )
     share_prefix: int = Field(
         32,

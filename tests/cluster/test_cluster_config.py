@@ -36,3 +36,9 @@ def test_cluster_section_defaults_and_refusals(tmp_path: Path) -> None:
         load_train_config(tmp_path, {"cluster.ray": "auto", "engine.kind": "vllm", "engine.launch": "true"})
     with pytest.raises(ConfigError, match="engines"):
         load_train_config(tmp_path, {"cluster.engines": "0"})
+    # the learner is an actor by default on a cluster; with LoRA it is refused at once (train it in the driver)
+    assert placed.cluster.learner and placed.cluster.learner_resource is None
+    with pytest.raises(ConfigError, match=r"cluster\.learner.*lora"):
+        load_train_config(tmp_path, {"cluster.ray": "auto", "learner.lora.rank": "4"})
+    alone = load_train_config(tmp_path, {"cluster.ray": "auto", "cluster.learner": "false", "learner.lora.rank": "4"})
+    assert alone.learner.lora is not None and not alone.cluster.learner

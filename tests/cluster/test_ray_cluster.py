@@ -14,6 +14,8 @@ intact.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -31,9 +33,11 @@ from tests.support.ray_cluster import RayCluster
 from tests.support.waiting import until
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
-pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(500)]
 
 STEPS = 4
+#: the run's own bound (the pytest timeout above leaves room for the diagnosis and the cluster's stop)
+RUN_S = 420.0
 
 
 def _wait(what: str, ready: Callable[[], object], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
@@ -45,6 +49,21 @@ def _wait(what: str, ready: Callable[[], object], proc: subprocess.Popen[bytes],
         until(held, timeout=timeout, what=what, every=0.2)
     except AssertionError as exc:
         raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
+
+
+def _stuck(proc: subprocess.Popen[bytes], cluster: RayCluster, log: Path, out: Path) -> str:
+    """Where a stuck run waits: the daemon's threads and asyncio tasks (``kill -USR1``: ``app/daemon.py``) and the
+    actors' stacks (py-spy); the Ray logs are kept in ``out/ray-logs``, all of it in ``out/stuck.txt``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 20
+        while "asyncio tasks ---" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.2)
+    tail = log.read_text(errors="replace")[-30000:]
+    text = f"--- daemon log (tail) ---\n{tail}\n--- actors ---\n{cluster.diagnose()}"
+    cluster.save_logs(out / "ray-logs")
+    (out / "stuck.txt").write_text(text)
+    return text
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -75,11 +94,11 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
             "max_staleness": 2},
         cluster={"engine_resource": "gpu_like", "engine_cpus": 0, "engine_threads": 1, "workers": 2,
                  "worker_concurrency": 4, "worker_cpus": 1, "lease_s": 8, "max_attempts": 4, "proxies": 1,
-                 "proxy_resource": "cpu_node", "proxy_cpus": 0},
+                 "proxy_resource": "cpu_node", "proxy_cpus": 0, "learner_resource": "trainer", "learner_cpus": 0},
     )  # fmt: skip
     run = tmp_path / "run"
     log = tmp_path / "daemon.log"
-    with RayCluster(tmp_path, head_cpus=2, head_resources={"cpu_node": 1}) as cluster:
+    with RayCluster(tmp_path, head_cpus=2, head_resources={"cpu_node": 1, "trainer": 1}) as cluster:
         nodes = [cluster.add_node(num_cpus=1, resources={"gpu_like": 1}) for _ in range(2)]
         cluster.wait_for_nodes(3)
         t_cluster = time.monotonic() - t0
@@ -95,16 +114,23 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
             placed = json.loads((run / "cluster.json").read_text())["parts"]
             engine = next(p for p in placed if p["part"] == "engine-0")
             proxy = next(p for p in placed if p["part"] == "proxy-0")
+            learner = next(p for p in placed if p["part"] == "learner")
             assert proxy["pid"] in cluster.nodes[0].pids()  # the proxy actor runs on the CPU node (the head)
+            # the learner is an actor of its own on the node with the "trainer" resource, not the daemon
+            assert learner["pid"] in cluster.nodes[0].pids() and learner["pid"] != proc.pid
             daemon_url = json.loads((run / "daemon.json").read_text())["url"]
             # the worker actors call the proxy actor: it recorded the calls, the daemon's own proxy none
             assert _metric(proxy["url"], "lightning_sdk_recorded_total", kind="call") > 0
             assert _metric(daemon_url, "lightning_sdk_recorded_total", kind="call") == 0
             host = next(n for n in nodes if engine["pid"] in n.pids())  # the node whose raylet runs the engine
             t_kill = time.monotonic()
-            killed = cluster.kill_node(host)
+            killed = cluster.kill_node(host)  # the engine's node, then the proxy and the learner actors
+            os.kill(proxy["pid"], signal.SIGKILL)
+            os.kill(learner["pid"], signal.SIGKILL)
             assert engine["pid"] in killed
-            proc.wait(timeout=300)
+            proc.wait(timeout=max(10.0, RUN_S - (time.monotonic() - t0)))
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            raise AssertionError(f"{exc}\n{_stuck(proc, cluster, log, tmp_path)[-12000:]}") from exc
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -118,6 +144,16 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
     restarted = [e for e in events if e["event"] == "restarted"]
     assert restarted and restarted[0]["old_pid"] == engine["pid"] and restarted[0]["pid"] != engine["pid"]
     assert restarted[0]["node_id"] != engine["node_id"]  # moved to the other gpu_like node
+    # the learner actor was restarted and resumed from the last step's state: every step trained, in the actor
+    back = summary["cluster"]["learner_events"]
+    assert back and back[0]["event"] == "restarted" and back[0]["old_pid"] == learner["pid"], back
+    assert summary["cluster"]["learner_steps"] == STEPS
+    final = {p["part"]: p for p in summary["cluster"]["placements"]}
+    assert final["learner"]["pid"] not in (learner["pid"], proc.pid) and final["learner"]["steps"] == STEPS
+    assert final["proxy-0"]["pid"] != proxy["pid"]  # Ray restarted the proxy actor (same host and port)
+    # the learner's weights reached every engine: each serves the last step's version
+    last_version = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["version"]
+    assert [e["version"] for e in summary["cluster"]["engines"]] == [last_version]
     print(
         f"\ncluster up {t_cluster:.0f} s; run {wall - t_cluster:.0f} s after it; killed {host.name} "
         f"({len(killed)} processes) {t_kill - t0:.0f} s in; engine events {events}; "
@@ -136,6 +172,8 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
     trained = [g for g in groups if g.group.group_id in consumed]
     assert len({consumed[g.group.group_id] for g in trained}) == STEPS
     cut_off = 0
+    broken: list[str] = []
+    call_ids: list[str] = []
     for g in trained:
         for detail in g.rollouts:
             ok = [a for a in detail.attempts if a.attempt.status is AttemptStatus.SUCCEEDED]
@@ -145,4 +183,17 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
                 assert [c.seq for c in a.calls] == list(range(len(a.calls))) and a.calls
                 for c in a.calls:
                     assert c.error is None and c.prompt_ids and len(c.completion_ids) == len(c.logprobs) > 0
-    print(f"trained groups {len(trained)}; attempts cut off by the kill and retried: {cut_off}")
+                # no call lost or recorded twice (a proxy killed between answering and recording one, or a call
+                # re-sent to the other proxy after the first had recorded it): each turn's prompt extends the last
+                # turn's prompt + completion, as the agent sent it
+                for prev, c in zip(a.calls, a.calls[1:], strict=False):
+                    whole = list(prev.prompt_ids) + list(prev.completion_ids)
+                    if list(c.prompt_ids[: len(whole)]) != whole:
+                        broken.append(f"{a.attempt.attempt_id} seq {prev.seq}->{c.seq}")
+                call_ids.extend(c.call_id for c in a.calls)
+    assert not broken, f"calls of a trained attempt that do not extend the previous turn: {broken}"
+    assert len(call_ids) == len(set(call_ids))
+    print(
+        f"trained groups {len(trained)}; attempts cut off by the kill and retried: {cut_off}; "
+        f"learner events {back}; final placements {final}"
+    )

@@ -275,3 +275,24 @@ async def test_the_engine_thread_uses_its_own_thread_count(policy_dir: Path) -> 
         assert torch.get_num_threads() == before
     finally:
         await engine.close()
+
+
+async def test_set_threads_changes_the_engine_threads_from_its_next_pass(policy_dir: Path) -> None:
+    """``set_threads`` (what the learner/engine balance calls during RL) takes effect in the engine's own thread at
+    its next forward pass; the caller's thread keeps its count; a count below 1 is refused."""
+    model, tokenizer = load_policy(policy_dir)
+    before = torch.get_num_threads()
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=4, threads=2)
+    try:
+        await engine.generate(_prompt(engine, "2+2"), Sampling(max_tokens=2, temperature=0.0))
+        assert engine.stats["threads"] == 2
+        engine.set_threads(1)
+        assert engine.threads == 1
+        await engine.generate(_prompt(engine, "3+3"), Sampling(max_tokens=2, temperature=0.0))
+        assert engine.stats["threads"] == 1
+        assert torch.get_num_threads() == before
+        with pytest.raises(EngineError, match="engine threads must be >= 1"):
+            engine.set_threads(0)
+        assert engine.threads == 1
+    finally:
+        await engine.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_sdk.proxy.attempts import AttemptCache
+from lightning_sdk.proxy._attempts import AttemptCache
 from lightning_sdk.store import SQLiteStore
 from lightning_sdk.types import Call, RolloutDetail
 

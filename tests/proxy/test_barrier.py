@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from lightning_sdk.proxy import ProxyConfig
-from lightning_sdk.proxy.call import ABORTED
+from lightning_sdk.proxy._call import ABORTED
 from lightning_sdk.proxy.passthrough import PassthroughBackend
 from lightning_sdk.store import MemoryStore, SQLiteStore
 from lightning_sdk.types import AttemptStatus

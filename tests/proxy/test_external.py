@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from lightning_sdk.proxy import ExternalRoute
-from lightning_sdk.proxy.external import count_tokens
+from lightning_sdk.proxy._external import count_tokens
 from tests.support.mock_openai import MockOpenAI
 from tests.support.proxy import ProxyHandle, run_proxy
 from tests.support.servers import RunningServer, run_server

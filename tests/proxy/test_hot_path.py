@@ -21,8 +21,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from lightning_sdk.errors import ConfigError
-from lightning_sdk.proxy.hangup import HangUpSweeper, HangUpWatch
-from lightning_sdk.proxy.shapes import MAX_TOKEN_ID, MalformedAnswer, _ids, canonical_chat, chat_tokens
+from lightning_sdk.proxy._hangup import HangUpSweeper, HangUpWatch
+from lightning_sdk.proxy._shapes import MAX_TOKEN_ID, MalformedAnswer, _ids, canonical_chat, chat_tokens
 from lightning_sdk.store._sqlite_rows import call_to_row
 from lightning_sdk.types import Call
 from tests.support.mock_openai import MockOpenAI

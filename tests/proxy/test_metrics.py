@@ -122,7 +122,7 @@ async def test_a_failing_scrape_read_is_counted_and_the_scrape_still_answers() -
 async def test_store_errors_count_a_lost_call_and_not_the_good_one(tmp_path: Path) -> None:
     """A real SQLite store refuses a call of an attempt it does not know: the batch fails (``record_batch``), the
     items are retried one by one, the bad one is lost (``record_item``) and the good one still counts as written."""
-    from lightning_sdk.proxy.recorder import Recorder
+    from lightning_sdk.proxy._recorder import Recorder
     from lightning_sdk.store import SQLiteStore
     from lightning_sdk.types import Call
 

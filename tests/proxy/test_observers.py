@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-import lightning_sdk.proxy.call as call_module
+import lightning_sdk.proxy._call as call_module
 from lightning_sdk.proxy import ProxyConfig
 from lightning_sdk.proxy.observe import CallEnd, CallObserver, CallStart, FinishEvent, RewardEvent
 from tests.support.mock_openai import MockOpenAI
@@ -136,7 +136,7 @@ def test_no_observer_allocates_nothing(upstream: RunningServer, tmp_path: Path, 
 
     monkeypatch.setattr(call_module, "CallStart", never)
     monkeypatch.setattr(call_module, "CallEnd", never)
-    off = ProxyConfig(metrics=False)  # the Prometheus call metrics are an observer too (proxy/call_metrics.py)
+    off = ProxyConfig(metrics=False)  # the Prometheus call metrics are an observer too (proxy/_call_metrics.py)
     with run_proxy(upstream.url + "/v1", store_path=tmp_path / "s.db", config=off) as px:
         s = px.session({"q": 1})
         client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)

@@ -39,18 +39,29 @@ RULES = SplitSampling({"train": TRAIN, "eval*": EVAL})
 CALLS = 3  # per attempt
 
 
-class Seen:
+class Seen(Engine):
     """Wraps the engine under test and keeps the ``Sampling`` each attempt's calls reached it with (by the
     ``session_id`` the proxy passes: the attempt id). The engine itself does the work."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
         self.by_attempt: dict[str, list[Sampling]] = {}
-        self.max_model_len = getattr(inner, "max_model_len", None)
 
     @property
     def policy_version(self) -> int:
         return self.inner.policy_version
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    @property
+    def supports_response_format(self) -> bool:
+        return self.inner.supports_response_format
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        return self.inner.supports_top_logprobs
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         self.by_attempt.setdefault(str(session_id), []).append(sampling)

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import httpx
 
 from lightning_sdk.proxy import PassthroughBackend, PolicyBackend, ProxyConfig, create_app
-from lightning_sdk.proxy.external import ExternalRoute
+from lightning_sdk.proxy._external import ExternalRoute
 from lightning_sdk.proxy.observe import CallObserver
 from lightning_sdk.store import MemoryStore, SQLiteStore, Store, run_sync
 from tests.support.servers import RunningServer, run_server, serve_async

@@ -167,6 +167,40 @@ class RayCluster:
             node.proc.wait(timeout=10)
         return pids
 
+    def diagnose(self, seconds: float = 20.0) -> str:
+        """Where this cluster's Ray actors are now (``py-spy dump`` of every ``ray::`` process of its nodes, when
+        py-spy is installed): for a run that hangs."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists():
+            return "(py-spy not installed: no actor stacks)"
+        out: list[str] = []
+        for node in self.nodes:
+            for pid in sorted(node.pids()):
+                try:
+                    title = " ".join(psutil.Process(pid).cmdline())[:120]
+                except psutil.Error:
+                    continue
+                if not title.startswith("ray::") or "IDLE" in title:
+                    continue
+                try:
+                    dump = subprocess.run(
+                        [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=seconds
+                    )
+                    out.append(f"=== {node.name} pid {pid} {title}\n{dump.stdout}{dump.stderr}")
+                except subprocess.TimeoutExpired:
+                    out.append(f"=== {node.name} pid {pid} {title}: py-spy timed out")
+        return "\n".join(out)
+
+    def save_logs(self, dest: Path, tail_bytes: int = 200_000) -> None:
+        """Copy the tail of every Ray log of this cluster (all nodes share ``temp``) to ``dest`` (before ``stop``
+        removes them)."""
+        for log in self.temp.glob("session_*/logs/*"):
+            if log.is_file() and log.suffix in (".out", ".err", ".log") and log.stat().st_size:
+                dest.mkdir(parents=True, exist_ok=True)
+                with log.open("rb") as f:
+                    f.seek(max(0, log.stat().st_size - tail_bytes))
+                    (dest / log.name).write_bytes(f.read())
+
     def stop(self) -> None:
         """Kill this cluster's processes only (node by node, newest first), then remove its temp dir."""
         for node in reversed(self.nodes):

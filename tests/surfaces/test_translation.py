@@ -9,7 +9,7 @@ import anthropic
 import openai
 import pytest
 
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy._errors import ProxyHTTPError
 from lightning_sdk.proxy.surfaces import MessagesSurface, ResponsesSurface
 from lightning_sdk.proxy.surfaces._chat import ChatDeltaReader, PriorReplies, Reply, opaque_ref, read_opaque_ref
 from tests.surfaces.conftest import passthrough_proxy, recorded_calls

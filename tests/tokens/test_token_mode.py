@@ -20,9 +20,9 @@ import pytest
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.proxy import PassthroughBackend
-from lightning_sdk.proxy.backend import CallContext, ChatResult
-from lightning_sdk.proxy.errors import ProxyHTTPError
-from lightning_sdk.proxy.shapes import ChatStreamAssembler
+from lightning_sdk.proxy._backend import CallContext, ChatResult
+from lightning_sdk.proxy._errors import ProxyHTTPError
+from lightning_sdk.proxy._shapes import ChatStreamAssembler
 from lightning_sdk.proxy.token_mode import RetokenizingBackend, TokenModeBackend, TokenModeConfig
 from lightning_sdk.store.sqlite import SQLiteStore
 from lightning_sdk.tokens import ChatRenderer, get_parser
@@ -36,15 +36,19 @@ ADMIN = ADMIN_KEY  # the one test proxy harness's key (tests/support/proxy.py)
 Plan = Message | int | list[int]  # a scripted reply message, a number of random vocabulary tokens, or exact ids
 
 
-class ScriptedEngine:
-    """A fake ``Engine`` over a real tokenizer (see the module docstring)."""
+class ScriptedEngine(Engine):
+    """A fake ``Engine`` over a real tokenizer (see the module docstring). Its capabilities are plain attributes a
+    test sets (``max_model_len``: what the proxy reads as the policy's context, None: unknown)."""
+
+    max_model_len: int | None = None
+    supports_response_format = False
+    supports_top_logprobs = False
 
     def __init__(self, renderer: ChatRenderer, plans: list[Plan], *, version: int = 7, seed: int = 0) -> None:
         self.renderer = renderer
         self.plans = list(plans)
         self.version = version
         self.rng = random.Random(seed)
-        self.max_model_len: int | None = None  # what the proxy reads as the policy's context (None: unknown)
         self.received: list[list[int]] = []
         self.sampled: list[list[int]] = []
         self.logprobs: list[list[float]] = []
@@ -548,7 +552,7 @@ async def test_response_format_reaches_engines_with_guided_decoding() -> None:
 
     renderer = renderer_for("qwen3")
     engine = ScriptedEngine(renderer, [renderer.encode('{"a": 1}<|im_end|>')])
-    engine.supports_response_format = True  # type: ignore[attr-defined]
+    engine.supports_response_format = True
     backend = TokenModeBackend(engine, renderer)  # type: ignore[arg-type]
     schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
     body = {"model": "policy", "messages": [{"role": "user", "content": "json"}], "response_format": schema}
@@ -563,3 +567,30 @@ async def test_response_format_reaches_engines_with_guided_decoding() -> None:
     )
     assert json.loads(sglang_body["sampling_params"]["json_schema"]) == {"type": "object"}
     assert "response_format" not in VLLMEngine("http://127.0.0.1:1")._body([1], Sampling(), stream=False)
+
+
+async def test_the_engine_wrappers_pass_their_engines_capabilities_on() -> None:
+    """The trainer serves a vLLM/SGLang client through ``ServedEngine`` (and several through ``EnginePool``): token
+    mode reads the capabilities from the wrapper, so the wrapper must pass them on (before, the proxy probed the
+    wrapper with ``getattr`` and refused ``response_format`` for a served vLLM). A pool takes the shortest known
+    context and a capability only when every engine has it; an engine that tells nothing gets the defaults."""
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.engines.pool import EnginePool
+    from lightning_sdk.engines.serving import ServedEngine
+    from lightning_sdk.engines.vllm import VLLMEngine
+
+    renderer = renderer_for("qwen3")
+    vllm = VLLMEngine("http://127.0.0.1:1")
+    served = ServedEngine(vllm, renderer.tokenizer)
+    backend = TokenModeBackend(served, renderer)
+    assert (backend.response_format, backend.top_logprobs, backend.max_model_len) == (True, False, None)
+
+    short, long = ScriptedEngine(renderer, []), ScriptedEngine(renderer, [])
+    short.max_model_len, long.max_model_len = 64, 128
+    long.supports_response_format = True
+    pool = EnginePool([short, long, ScriptedEngine(renderer, [])])
+    assert (pool.max_model_len, pool.supports_response_format, pool.supports_top_logprobs) == (64, False, False)
+    assert TokenModeBackend(pool, renderer).max_model_len == 64
+    assert EnginePool([long]).supports_response_format is True
+    assert EmbeddedEngine.max_model_len is not Engine.max_model_len  # the embedded engine tells its own
+    await vllm.close()

@@ -62,8 +62,6 @@ def test_the_jobs_sampling_is_a_rule_per_split(tmp_path: Path) -> None:
 def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
     """The trainer's records config cuts segments at the engine's ``max_model_len`` (flagged ``truncated``), so a
     row longer than the context is never trained; an engine that does not tell its context leaves rows whole."""
-    from types import SimpleNamespace
-
     from lightning_sdk.records import build_records
     from lightning_sdk.types import (
         Attempt,
@@ -79,8 +77,8 @@ def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
 
     (tmp_path / "train.toml").write_text('agent = "agent.py:agent"\n')
     config = load_train_config(tmp_path).rl
-    assert records_config(config, SimpleNamespace(max_model_len=16)).merge.max_length == 16
-    assert records_config(config, object()).merge.max_length is None
+    assert records_config(config, 16).merge.max_length == 16
+    assert records_config(config, None).merge.max_length is None
 
     details = []
     for i, reward in enumerate((0.0, 1.0)):
@@ -92,9 +90,9 @@ def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
         ro = Rollout(rollout_id=rid, group_id="g", task={})
         details.append(RolloutDetail(rollout=ro, attempts=[AttemptDetail(attempt=att, calls=[call], rewards=rew)]))
     group = [FinishedGroup(Group(group_id="g", task={}, n=2), details)]
-    cut = build_records(group, records_config(config, SimpleNamespace(max_model_len=16)))
+    cut = build_records(group, records_config(config, 16))
     assert cut.records and all(len(r.input_ids) == 16 and r.segment.truncated for r in cut.records)
-    whole = build_records(group, records_config(config, object()))
+    whole = build_records(group, records_config(config, None))
     assert all(len(r.input_ids) == 22 and not r.segment.truncated for r in whole.records)
 
 
@@ -106,9 +104,9 @@ def test_groups_of_one_are_trained_only_when_configured(tmp_path: Path) -> None:
     from lightning_sdk.errors import ConfigError
 
     (tmp_path / "train.toml").write_text('agent = "agent.py:agent"\n')
-    assert records_config(load_train_config(tmp_path).rl, object()).advantage.train_single_groups is False
+    assert records_config(load_train_config(tmp_path).rl, None).advantage.train_single_groups is False
     on = load_train_config(tmp_path, {"rl.train_single_groups": "true"})
-    assert records_config(on.rl, object()).advantage.train_single_groups is True
+    assert records_config(on.rl, None).advantage.train_single_groups is True
     with pytest.raises(ConfigError, match="train_single_groups"):
         load_train_config(tmp_path, {"rl.samples_per_task": "1"})
     one = load_train_config(tmp_path, {"rl.samples_per_task": "1", "rl.train_single_groups": "true"})

@@ -1,47 +1,69 @@
-"""The learner's share of the cores chosen from measured steps (``trainer/balance.py``)."""
+"""The split of the cores between learner and engine chosen from measured steps (``trainer/balance.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_sdk.trainer.balance import ThreadBalance
+from lightning_sdk.trainer.balance import Split, ThreadBalance, default_splits, split_name
 
 
-def _run(balance: ThreadBalance, measure: dict[int, tuple[float, float]], steps: int = 6) -> list[int]:
-    """Feed ``steps`` steps: ``measure[threads]`` = (learner seconds for 1,000 trained tokens, generated tok/s)."""
+def _run(balance: ThreadBalance, measure: dict[Split, tuple[float, float]], steps: int = 6) -> list[Split]:
+    """Feed ``steps`` steps: ``measure[split]`` = (learner seconds for 1,000 trained tokens, generated tok/s)."""
     used = []
     for _ in range(steps):
-        threads = balance.next_threads()
-        used.append(threads)
-        learner_s, generated_per_s = measure[threads]
-        balance.observe(threads, learner_s, 1000.0, generated_per_s, 4000.0)
+        split = balance.next_split()
+        used.append(split)
+        learner_s, generated_per_s = measure[split]
+        balance.observe(split, learner_s, 1000.0, generated_per_s, 4000.0)
     return used
+
+
+def test_default_splits_add_the_even_split_where_the_engine_threads_can_be_set() -> None:
+    assert default_splits(2) == ((1, 2), (2, 2), (1, 1))
+    assert default_splits(8) == ((1, 8), (8, 8), (4, 4))
+    assert default_splits(2, engine=False) == ((1, None), (2, None))
+    assert default_splits(1) == ((1, 1),)
+    assert split_name((1, None)) == "1+-" and split_name((2, 1)) == "2+1"
 
 
 def test_a_learner_bound_job_gives_the_learner_all_cores() -> None:
     """Generation is fast either way; the learner's step is 1.8x faster on two threads: two win."""
-    balance = ThreadBalance(candidates=(1, 2))
-    used = _run(balance, {1: (9.0, 900.0), 2: (5.0, 800.0)})
-    assert used == [1, 1, 2, 2, 2, 2]  # step 1 skipped, one trial each, then the choice
-    assert balance.chosen == 2
+    balance = ThreadBalance(candidates=((1, 2), (2, 2)))
+    used = _run(balance, {(1, 2): (9.0, 900.0), (2, 2): (5.0, 800.0)})
+    assert used == [(1, 2), (1, 2), (2, 2), (2, 2), (2, 2), (2, 2)]  # step 1 skipped, one trial each, the choice
+    assert balance.chosen == (2, 2)
     rates = balance.rates()
-    assert rates[1] == pytest.approx(1000 / 9.0) and rates[2] == pytest.approx(1000 / 5.0)
-    assert balance.as_dict()["learner_threads"] == 2
+    assert rates[(1, 2)] == pytest.approx(1000 / 9.0) and rates[(2, 2)] == pytest.approx(1000 / 5.0)
+    summary = balance.as_dict()
+    assert summary["learner_threads"] == 2 and summary["engine_threads"] == 2 and summary["chosen"] == "2+2"
 
 
 def test_a_generation_bound_job_keeps_the_learner_on_one_core() -> None:
     """Two learner threads make its step shorter but starve the engine: the pipeline runs at generation's pace,
     which is faster with the learner on one thread."""
-    balance = ThreadBalance(candidates=(1, 2))
-    _run(balance, {1: (2.0, 400.0), 2: (1.5, 200.0)})
-    assert balance.chosen == 1
+    balance = ThreadBalance(candidates=((1, 2), (2, 2)))
+    _run(balance, {(1, 2): (2.0, 400.0), (2, 2): (1.5, 200.0)})
+    assert balance.chosen == (1, 2)
     rates = balance.rates()
-    assert rates[1] == pytest.approx(400 * 0.25) and rates[2] == pytest.approx(200 * 0.25)  # 1,000 / 4,000 tokens
+    assert rates[(1, 2)] == pytest.approx(400 * 0.25) and rates[(2, 2)] == pytest.approx(200 * 0.25)
+
+
+def test_the_even_split_wins_where_oversubscribing_the_cores_slows_both_sides() -> None:
+    """One thread each on two cores: neither side waits for the other's threads; both sides are faster than with
+    the engine on both cores, so the engine's threads change too, and the console line says so."""
+    balance = ThreadBalance(candidates=default_splits(2))
+    used = _run(balance, {(1, 2): (8.0, 300.0), (2, 2): (6.0, 250.0), (1, 1): (5.0, 380.0)}, steps=6)
+    assert used[:4] == [(1, 2), (1, 2), (2, 2), (1, 1)] and used[4:] == [(1, 1), (1, 1)]
+    assert balance.chosen == (1, 1)
+    assert [t["split"] for t in balance.as_dict()["trials"]] == ["1+2", "2+2", "1+1"]
+    assert balance.message().startswith("learner threads: 1, engine threads: 1 (")
 
 
 def test_steps_that_trained_nothing_are_not_trials_and_one_candidate_is_chosen_at_once() -> None:
-    balance = ThreadBalance(candidates=(1, 2))
-    balance.observe(1, 3.0, 100.0, 500.0, 400.0)  # skipped: step 1
-    assert not balance.observe(1, 0.0, 0.0, 500.0, 400.0)  # no update: not a trial
-    assert balance.next_threads() == 1 and balance.chosen is None
-    assert ThreadBalance(candidates=(2,)).next_threads() == 2
+    balance = ThreadBalance(candidates=((1, None), (2, None)))
+    balance.observe((1, None), 3.0, 100.0, 500.0, 400.0)  # skipped: step 1
+    assert not balance.observe((1, None), 0.0, 0.0, 500.0, 400.0)  # no update: not a trial
+    assert balance.next_split() == (1, None) and balance.chosen is None
+    assert ThreadBalance(candidates=((2, None),)).next_split() == (2, None)
+    with pytest.raises(ValueError, match="at least one candidate"):
+        ThreadBalance(candidates=())

@@ -18,6 +18,7 @@ import pytest
 
 from lightning_sdk.app.loop import TrainingLoop
 from lightning_sdk.app.schedule import REST, Schedule, group_ids
+from lightning_sdk.engines.base import Engine
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.records import Record
@@ -32,12 +33,13 @@ from tests.trainer.tiny import build_small_policy
 TASKS = [{"question": f"q{i}", "answer": str(i)} for i in range(8)]
 
 
-class _Engine:
+class _Engine(Engine):
     """Stand-in for the serving engine: the test writes every call itself, so nothing is generated; the loop only
     reads its version and token count and hands it new weights (counted here)."""
 
+    policy_version = 0  # plain attributes over the protocol's members
+
     def __init__(self) -> None:
-        self.policy_version = 0
         self.stats = {"tokens": 0}
         self.updates: list[int] = []
 

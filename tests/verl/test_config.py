@@ -58,3 +58,23 @@ def test_bad_configs(tmp_path: Path, tiny_model_dir: Path) -> None:
         to_verl_config(VerlConfig(model_dir=str(tiny_model_dir), device="cpu", strategy="fsdp"))
     with pytest.raises(ValueError, match="rollout_correction"):
         VerlConfig(model_dir=str(tiny_model_dir), rollout_correction="sometimes")  # type: ignore[arg-type]
+
+
+def test_lora_maps_onto_verls_own_model_keys(tiny_model_dir: Path) -> None:
+    """``[verl] lora = {rank, alpha, target_modules}`` sets verl's ``actor_rollout_ref.model.lora_rank`` /
+    ``lora_alpha`` / ``target_modules`` (the model config the actor and the rollout share), and verl's typed model
+    config accepts them; what verl cannot express is refused."""
+    from lightning_sdk.trainer.learner import LoraSettings
+
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    cfg = to_verl_config(VerlConfig(model_dir=str(tiny_model_dir), device="cpu", lora=lora))
+    model = cfg.actor_rollout_ref.model
+    assert model.lora_rank == 4 and model.lora_alpha == 8 and list(model.target_modules) == ["q_proj", "v_proj"]
+    typed = omega_conf_to_dataclass(model)
+    assert typed.lora_rank == 4 and list(typed.target_modules) == ["q_proj", "v_proj"]
+    plain = to_verl_config(VerlConfig(model_dir=str(tiny_model_dir), device="cpu"))
+    assert plain.actor_rollout_ref.model.lora_rank == 0  # verl's default: no LoRA
+    with pytest.raises(ConfigError, match="dropout"):
+        to_verl_config(VerlConfig(model_dir=str(tiny_model_dir), lora=LoraSettings(dropout=0.1)))
+    with pytest.raises(ConfigError, match="whole number"):
+        to_verl_config(VerlConfig(model_dir=str(tiny_model_dir), lora=LoraSettings(alpha=2.5)))

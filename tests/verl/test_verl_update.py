@@ -176,3 +176,52 @@ def test_verl_learner_takes_records_with_their_groups(tis_backend: VerlBackend, 
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embeddings
     state = learner.state_dict()
     assert state["steps"] == 1 and state["policy_version"] == tis_backend.version
+
+
+def test_lora_step_trains_the_adapter_and_publishes_merged_weights(tiny_model_dir: Path) -> None:
+    """``lora = {...}``: verl's FSDP engine wraps the actor in PEFT; a real CPU step moves only the targeted
+    projections (the merged export, float32, differs from the base there and is bit-equal elsewhere: verl's own
+    merged export would round it all to bfloat16), and the published full weights, loaded by the embedded engine,
+    give what verl's actor computes."""
+    from lightning_sdk.trainer.learner import LoraSettings
+
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    backend = VerlBackend(
+        VerlConfig(model_dir=str(tiny_model_dir), device="cpu", lr=5e-2, rollout_correction="tis", lora=lora),
+        use_ray=False,
+    )
+    try:
+        base, tok = load_policy(tiny_model_dir)
+        rows = sample_rows(tiny_model_dir, seed=5)
+        before, mask = _actor_logprobs(backend, rows)
+        metrics = backend.step(rows)
+        assert metrics["grad_norm"] > 0 and backend.version == 1
+        after, _ = _actor_logprobs(backend, rows)
+        assert float((after - before)[mask].abs().max()) > 1e-4  # the adapter moved the policy
+        merged = backend.state_dict()
+        reference = base.state_dict()
+        assert set(merged) <= set(reference) and not any("lora" in k for k in merged)
+        changed = {k for k, v in merged.items() if not torch.equal(v, reference[k])}
+        assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), sorted(changed)
+        engine = EmbeddedEngine(base, tok, device="cpu")
+        prompt = render(tok, "What is 3 * 4?")
+
+        async def go() -> Any:
+            await backend.publish(engine)
+            gen = await engine.generate(list(prompt), Sampling(max_tokens=6, temperature=1.0, seed=3))
+            await engine.close()
+            return gen
+
+        gen = asyncio.run(go())
+        row = TrainRow(
+            input_ids=list(prompt) + gen.completion_ids,
+            loss_mask=[0] * len(prompt) + [1] * len(gen.completion_ids),
+            logprobs=[0.0] * len(prompt) + gen.logprobs,
+            advantages=[0.0] * (len(prompt) + len(gen.completion_ids)),
+            reward=0.0,
+            group="g",
+        )
+        lp, m = _actor_logprobs(backend, [row])
+        torch.testing.assert_close(lp[m], torch.tensor(gen.logprobs), atol=2e-4, rtol=1e-4)
+    finally:
+        backend.shutdown()

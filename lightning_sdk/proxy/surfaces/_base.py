@@ -5,7 +5,7 @@ A surface subclasses ``SurfaceAdapter`` and writes only its API: ``parse`` (vali
 ``translate`` (request -> chat form, given the attempt's earlier replies), ``reply_body`` (the chat reply -> its
 answer), ``refs`` (the ids the answer hands out, to recognise them when the agent sends them back), ``stream``
 (chat chunks -> its server-sent events) and ``error_body``. The base does the rest the pipeline asks
-(``proxy/call.py``): the earlier replies, the chat checks on the translation (names in errors are the chat
+(``proxy/_call.py``): the earlier replies, the chat checks on the translation (names in errors are the chat
 form's), the session headers and stream flags, the answer's JSON and the recorded request. The recorded
 ``Call.request`` is the chat form the backend served (so the bridge and the records treat every surface alike)
 plus ``request["surface"]``: which API, the original request (for inspection), the session headers, the tools the
@@ -19,9 +19,9 @@ from typing import Any, Protocol
 import orjson
 from starlette.types import Scope
 
-from lightning_sdk.proxy.backend import CallContext, ChatResult
-from lightning_sdk.proxy.call import EventStream, Translation
-from lightning_sdk.proxy.errors import ProxyHTTPError, _bad, validate_chat
+from lightning_sdk.proxy._backend import CallContext, ChatResult
+from lightning_sdk.proxy._call import EventStream, Translation
+from lightning_sdk.proxy._errors import ProxyHTTPError, _bad, validate_chat
 from lightning_sdk.proxy.surfaces._chat import PriorReplies, Reply
 from lightning_sdk.types import Call
 

@@ -14,14 +14,14 @@ import orjson
 from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError, TemplateFeatureError, TokenizationError
-from lightning_sdk.proxy.call import attempt_token, read_json, refusal, send_error
-from lightning_sdk.proxy.errors import ProxyHTTPError
-from lightning_sdk.proxy.external import ExternalBackend
+from lightning_sdk.proxy._call import attempt_token, read_json, refusal, send_error
+from lightning_sdk.proxy._errors import ProxyHTTPError
+from lightning_sdk.proxy._external import ExternalBackend
 from lightning_sdk.proxy.surfaces._chat import PriorReplies
 from lightning_sdk.proxy.surfaces.messages import MessagesSurface
 
 if TYPE_CHECKING:
-    from lightning_sdk.proxy.service import Proxy
+    from lightning_sdk.proxy._service import Proxy
 
 __all__ = ["count_tokens"]
 

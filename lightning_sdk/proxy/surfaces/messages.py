@@ -28,8 +28,8 @@ from typing import Any
 
 import orjson
 
-from lightning_sdk.proxy.backend import CallContext
-from lightning_sdk.proxy.errors import ProxyHTTPError, _bad
+from lightning_sdk.proxy._backend import CallContext
+from lightning_sdk.proxy._errors import ProxyHTTPError, _bad
 from lightning_sdk.proxy.surfaces._base import (
     SurfaceAdapter,
     Translation,

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.trainer.learner import LoraSettings
 
 __all__ = ["VerlConfig", "to_verl_config"]
 
@@ -57,6 +58,11 @@ class VerlConfig(BaseModel):
     param_dtype: Literal["bf16", "fp16", "fp32"] | None = None  # None: bf16 on GPU, fp32 on CPU
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    lora: LoraSettings | None = Field(
+        None,
+        description="train a LoRA adapter (verl's actor_rollout_ref.model.lora_rank / lora_alpha / target_modules, "
+        "PEFT in verl's FSDP engine); publications are the merged full weights",
+    )
     overrides: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -71,6 +77,24 @@ def _compose_defaults(model_dir: str) -> Any:
     config_dir = str(Path(spec.origin).parent / "trainer" / "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         return compose(config_name="ppo_trainer", overrides=[f"actor_rollout_ref.model.path={model_dir}"])
+
+
+def _lora_keys(lora: LoraSettings) -> dict[str, Any]:
+    """verl's own LoRA keys for ``[verl] lora = {rank, alpha, target_modules}``: its FSDP engine wraps the actor in
+    PEFT (``verl/workers/engine/fsdp/transformer_impl.py`` ``_build_lora_module``) from ``lora_rank``,
+    ``lora_alpha`` and ``target_modules`` of ``actor_rollout_ref.model`` (the model config the actor and the rollout
+    share). A publication is the base with the adapter merged in float32, under the base model's names
+    (``worker.merge_lora_tensors``), so engines load it as full weights; verl's own merged export (``lora.merge``)
+    rounds every weight to bfloat16 and is not used."""
+    if lora.dropout:
+        raise ConfigError("verl backend: lora.dropout is not a key of verl's FSDP LoRA (it has none); leave it 0")
+    if not float(lora.alpha).is_integer():
+        raise ConfigError(f"verl backend: lora.alpha {lora.alpha} must be a whole number (verl types it int)")
+    return {
+        "actor_rollout_ref.model.lora_rank": lora.rank,
+        "actor_rollout_ref.model.lora_alpha": int(lora.alpha),
+        "actor_rollout_ref.model.target_modules": list(lora.target_modules),
+    }
 
 
 def to_verl_config(cfg: VerlConfig) -> Any:
@@ -133,6 +157,8 @@ def to_verl_config(cfg: VerlConfig) -> Any:
         "lightning.rollout_correction": cfg.rollout_correction,
         "lightning.mini_batches_per_step": cfg.mini_batches_per_step,
     }
+    if cfg.lora is not None:
+        ours.update(_lora_keys(cfg.lora))
     if cfg.rollout_correction == "bypass":
         # what verl's rollout_corr_helper.apply_bypass_mode does to the actor's loss config before workers start
         ours["actor_rollout_ref.actor.policy_loss.loss_mode"] = "bypass_mode"

@@ -24,7 +24,7 @@ import torch
 
 from lightning_sdk.errors import TrainerError
 
-__all__ = ["VerlRank"]
+__all__ = ["VerlRank", "merge_lora_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,48 @@ def _scalar(value: Any) -> float:
     if isinstance(value, torch.Tensor):
         return float(value.float().mean())
     return float(value)
+
+
+def _full_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of an FSDP state dict, unsharded (``DTensor.full_tensor``: collective, the same order on every
+    rank) and copied to the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True) for k, v in state.items()
+    }
+
+
+def merge_lora_tensors(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA model's state dict as the base model's, each adapted weight merged: ``W + alpha / r * B @ A``
+    (PEFT's ``get_delta_weight`` for a plain ``lora.Linear``), in the weights' dtype, under the base model's names.
+
+    verl's own merged export (``lora.merge``, ``_merged_lora_per_tensor_param``) casts every tensor to bfloat16,
+    so engines would sample from a rounded copy of what the actor trains; this keeps float32 weights float32."""
+    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None) or config.use_rslora:
+        raise TrainerError("LoRA merge: rank_pattern, alpha_pattern and rslora are not supported")
+    if getattr(config, "use_dora", False) or getattr(config, "fan_in_fan_out", False):
+        raise TrainerError("LoRA merge: DoRA and fan_in_fan_out adapters are not supported")
+    scale = float(config.lora_alpha) / float(config.r)
+
+    def clean(key: str) -> str:
+        key = key.removeprefix("base_model.model.")
+        return key.replace(".base_layer.", ".")
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        out[clean(key)] = value
+    for key, a in state.items():
+        if ".lora_A." not in key:
+            continue
+        prefix = key.split(".lora_A.", 1)[0]
+        b = state[key.replace(".lora_A.", ".lora_B.")]
+        target = clean(prefix + ".weight")
+        base = out[target]
+        out[target] = (base.float() + scale * (b.float() @ a.float())).to(base.dtype)
+    return out
 
 
 class VerlRank:
@@ -121,6 +163,11 @@ class VerlRank:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The actor's full (unsharded) weights on CPU, HF names. Collective: every rank must call it."""
         engine = self.worker.actor.engine
+        module = engine.module
+        peft_model = getattr(module, "_fsdp_wrapped_module", module)
+        if hasattr(peft_model, "peft_config"):  # LoRA: the adapter merged here, in the weights' own dtype
+            state = merge_lora_tensors(_full_tensors(module.state_dict()), peft_model.peft_config["default"])
+            return state if self.rank == 0 else {}
         gen, _ = engine.get_per_tensor_param()
         state = {name: t.detach().to("cpu", copy=True) for name, t in gen}
         return state if self.rank == 0 else {}

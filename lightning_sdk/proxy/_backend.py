@@ -16,7 +16,7 @@ exactly what the same call would return unstreamed (apart from response ``id``/`
 A backend subclasses ``PolicyBackend`` and overrides the optional members whose defaults do not fit it:
 ``mode`` (``"token"`` or ``"passthrough"``: what observers are told); ``reads_earlier_calls`` (False for a backend
 that never calls ``ctx.earlier_calls()``: the proxy then keeps an attempt's finished calls in memory only once
-something else asks for them, ``proxy/attempts.py``); ``prompt_renderer()`` (the policy's chat renderer when the
+something else asks for them, ``proxy/_attempts.py``); ``prompt_renderer()`` (the policy's chat renderer when the
 backend has one: ``/v1/messages/count_tokens`` counts with it); ``start()`` (called once when the app starts) and
 ``upstream_state()`` (what ``GET /lightning/v1/health`` says about the upstream). A streaming method that knows the
 prompt's length before its first chunk (token mode renders it; a passthrough engine's first chunk carries the
@@ -49,7 +49,7 @@ __all__ = [
 
 class UpstreamHTTPError(UpstreamError):
     """The engine answered with an HTTP error that is the request's fault (4xx, or 429 with its ``Retry-After``):
-    passed on to the agent with its status (``proxy.call.upstream_refusal``)."""
+    passed on to the agent with its status (``proxy._call.upstream_refusal``)."""
 
     def __init__(
         self,
@@ -59,9 +59,8 @@ class UpstreamHTTPError(UpstreamError):
         payload: dict[str, Any] | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(message, status_code=status_code)
+        super().__init__(message, status_code=status_code, retry_after_s=retry_after_s)
         self.payload = payload
-        self.retry_after_s = retry_after_s
 
 
 @dataclass

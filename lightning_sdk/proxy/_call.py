@@ -23,7 +23,7 @@ each request's start and end; with none nothing is allocated for them. Errors ar
 ``upstream_refusal``), ``call_failure`` for what serving raised (cancellation, the agent hanging up, a bug).
 
 Adding an API surface: one module with an ``Adapter`` (see ``proxy/surfaces``) and one line in the routing table
-(``proxy/app.py``'s ``llm_routes``).
+(``proxy/_app.py``'s ``llm_routes``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from starlette.types import Receive, Scope, Send
 
 from lightning_sdk.errors import LightningSDKError
 from lightning_sdk.http_errors import bearer_token, error_headers
-from lightning_sdk.proxy.attempts import AttemptState
-from lightning_sdk.proxy.backend import (
+from lightning_sdk.proxy._attempts import AttemptState
+from lightning_sdk.proxy._backend import (
     CallContext,
     ChatResult,
     PolicyBackend,
@@ -53,16 +53,16 @@ from lightning_sdk.proxy.backend import (
     UpstreamHTTPError,
     relay_items,
 )
-from lightning_sdk.proxy.errors import ProxyHTTPError, error_event, from_sdk_error, validate_chat, validate_completions
-from lightning_sdk.proxy.external import ExternalBackend
-from lightning_sdk.proxy.hangup import HangUpWatch
+from lightning_sdk.proxy._errors import ProxyHTTPError, error_event, from_sdk_error, validate_chat, validate_completions
+from lightning_sdk.proxy._external import ExternalBackend
+from lightning_sdk.proxy._hangup import HangUpWatch
+from lightning_sdk.proxy._shapes import canonical_chat, canonical_completion
 from lightning_sdk.proxy.observe import CallEnd, CallStart, Mode, notify_ended, notify_started
-from lightning_sdk.proxy.shapes import canonical_chat, canonical_completion
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Call, now
 
 if TYPE_CHECKING:
-    from lightning_sdk.proxy.service import Proxy
+    from lightning_sdk.proxy._service import Proxy
 
 __all__ = [
     "ABORTED",
@@ -486,7 +486,7 @@ async def _serve(
         if not adapter.chat and isinstance(backend, ExternalBackend):
             raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         seq = await state.take_seq(proxy.store)
-        if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/shared.py)
+        if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/_shared.py)
             seq = await proxy.shared.reserve_seq(state.attempt.attempt_id)
         ctx = CallContext(
             attempt=state.attempt,
@@ -528,7 +528,7 @@ async def _serve(
     call: Call | None = None
     recorded = False
     if proxy.commits is not None and error is None and result is not None and not stream and ctx is not None:
-        # a shared store: the call is committed, then answered (proxy/shared.py)
+        # a shared store: the call is committed, then answered (proxy/_shared.py)
         try:
             call = await record_call(proxy, state, ctx, adapter.recorded(t, body, result), result, None,
                                      adapter.chat, started)  # fmt: skip

@@ -42,11 +42,11 @@ from starlette.routing import BaseRoute, Route
 
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.http_errors import bearer_token
-from lightning_sdk.proxy.errors import ProxyHTTPError
+from lightning_sdk.proxy._errors import ProxyHTTPError
 from lightning_sdk.types import AttemptStatus, Call, Reward, Rollout, RolloutDetail, RolloutStatus
 
 if TYPE_CHECKING:
-    from lightning_sdk.proxy.service import Proxy
+    from lightning_sdk.proxy._service import Proxy
 
 __all__ = ["TRACED_SPLIT", "admin_routes", "call_json", "rollout_detail_json", "rollout_json"]
 
@@ -107,7 +107,7 @@ def admin_routes(proxy: Proxy, *, token_routes_only: bool = False) -> list[BaseR
     """The routes; ``token_routes_only`` gives just reward and finish (mounted again under ``/t/<token>``).
 
     A route raises the library's exceptions (``ProxyHTTPError`` for a refusal): the app's exception handler
-    answers them (``proxy/app.py``)."""
+    answers them (``proxy/_app.py``)."""
 
     def check_admin(request: Request) -> None:
         given = bearer_token(request.headers) or ""

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from lightning_sdk.errors import LightningSDKError
+from lightning_sdk.errors import LightningSDKError, UpstreamError
 from lightning_sdk.http_errors import ERROR_TYPES, error_fields, error_headers
 
 __all__ = [
@@ -78,7 +78,7 @@ def from_sdk_error(exc: LightningSDKError) -> ProxyHTTPError:
     status, kind, code = error_fields(exc)
     message = str(exc) if status != 500 else f"{type(exc).__name__}: {exc}"
     err = ProxyHTTPError(status, message, code=code, kind=kind)
-    retry_after = getattr(exc, "retry_after_s", None)
+    retry_after = exc.retry_after_s if isinstance(exc, UpstreamError) else None
     if retry_after is not None:
         err.headers.append((b"retry-after", str(max(1, math.ceil(retry_after))).encode()))
     return err

@@ -1,9 +1,9 @@
 """The proxy's state: the store, the backends, the recorder, the attempts, and the finish barrier.
 
-``Proxy`` is what the routes share (``app.state.proxy``): the call pipeline (``proxy/call.py``) reads the attempt
+``Proxy`` is what the routes share (``app.state.proxy``): the call pipeline (``proxy/_call.py``) reads the attempt
 cache, the backend for a model, the current policy version and the observers here; ``end_attempt`` is the
 barrier of ``finish`` (every call and reward of an attempt committed before it ends); ``list_models``,
-``get_model`` and ``health`` answer their routes. The routing table and the lifespan are in ``proxy/app.py``.
+``get_model`` and ``health`` answer their routes. The routing table and the lifespan are in ``proxy/_app.py``.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from starlette.responses import Response
 from lightning_sdk.errors import AttemptNotRunningError, StoreUnavailableError
 from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.monitoring import OpsMetrics
-from lightning_sdk.proxy.attempts import AttemptCache, AttemptState
-from lightning_sdk.proxy.backend import PolicyBackend
-from lightning_sdk.proxy.call_metrics import CallMetrics
-from lightning_sdk.proxy.errors import ProxyHTTPError
-from lightning_sdk.proxy.external import ExternalBackend
-from lightning_sdk.proxy.hangup import HangUpSweeper
+from lightning_sdk.proxy._attempts import AttemptCache, AttemptState
+from lightning_sdk.proxy._backend import PolicyBackend
+from lightning_sdk.proxy._call_metrics import CallMetrics
+from lightning_sdk.proxy._errors import ProxyHTTPError
+from lightning_sdk.proxy._external import ExternalBackend
+from lightning_sdk.proxy._hangup import HangUpSweeper
+from lightning_sdk.proxy._recorder import Recorder
+from lightning_sdk.proxy._shared import CommitWriter, SharedStore, is_shared
 from lightning_sdk.proxy.observe import CallObserver, FinishEvent, RewardEvent, notify_finished, notify_reward
-from lightning_sdk.proxy.recorder import Recorder
-from lightning_sdk.proxy.shared import CommitWriter, SharedStore, is_shared
 from lightning_sdk.store.base import Store
 from lightning_sdk.types import Attempt, AttemptStatus, Reward
 
@@ -92,7 +92,7 @@ class Proxy:
         self.recorder = Recorder(
             store, max_pending=self.config.max_pending_records, max_batch=self.config.record_batch, metrics=metrics
         )
-        # A store many proxies share (proxy/shared.py): calls are numbered by the store and committed, with the
+        # A store many proxies share (proxy/_shared.py): calls are numbered by the store and committed, with the
         # store-side finish barrier, before they are answered. None: the single-proxy path (barrier in memory).
         self.shared: SharedStore | None = store if is_shared(store) else None  # type: ignore[assignment]
         self.commits = CommitWriter(self.shared, max_batch=self.config.record_batch) if self.shared else None

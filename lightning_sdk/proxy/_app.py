@@ -11,15 +11,15 @@ Routes (the HTTP contract in docs/concepts.md / ARCHITECTURE.md)::
     /lightning/v1/store/...                                             (the store over HTTP, admin key)
 
 This module is the routing and the lifespan. One routing table: the LLM routes (``llm_routes``: path -> the
-call pipeline of ``proxy/call.py`` with that API's adapter, or count_tokens) are dispatched by ``ProxyApp`` on the
+call pipeline of ``proxy/_call.py`` with that API's adapter, or count_tokens) are dispatched by ``ProxyApp`` on the
 raw ASGI path (the hot path: no starlette routing, no request object), with or without a ``/t/<token>`` prefix; any
 other method on them is 405. Every other route is starlette's, whose body ``ProxyApp`` reads first within its
 limit. Errors of the starlette routes are answered by the exception handlers registered once in ``create_app``
 (the library's exceptions by the one table of ``lightning_sdk.http_errors``, 404 and 405 in the OpenAI shape); the
-LLM routes answer theirs in each API's own shape (``proxy/call.py``). The proxy's state (store, backends, recorder,
-attempts, the finish barrier) is ``proxy/service.py``'s ``Proxy``; observers (``proxy/observe.py``) see every call.
+LLM routes answer theirs in each API's own shape (``proxy/_call.py``). The proxy's state (store, backends, recorder,
+attempts, the finish barrier) is ``proxy/_service.py``'s ``Proxy``; observers (``proxy/observe.py``) see every call.
 
-One LLM call (``proxy/call.py``): read the body (413 over ``max_body_bytes``), parse and validate it (400 naming the
+One LLM call (``proxy/_call.py``): read the body (413 over ``max_body_bytes``), parse and validate it (400 naming the
 field), resolve the attempt from the token (path token wins over the bearer; 401 unknown, 409 not running), pick
 the backend by model name (the policy backend, or LiteLLM for an external route), call it, answer the agent, and
 hand the call to the ``Recorder`` that commits it in the background. Every response of a call the proxy opened
@@ -45,9 +45,9 @@ from starlette.types import Receive, Scope, Send
 from lightning_sdk.errors import ConfigError, LightningSDKError
 from lightning_sdk.http_errors import error_headers
 from lightning_sdk.monitoring import OpsMetrics, metrics_route
-from lightning_sdk.proxy.admin import admin_routes
-from lightning_sdk.proxy.backend import PolicyBackend
-from lightning_sdk.proxy.call import (
+from lightning_sdk.proxy._admin import admin_routes
+from lightning_sdk.proxy._backend import PolicyBackend
+from lightning_sdk.proxy._call import (
     ABORTED,
     CALL_ID_HEADER,
     CHAT_COMPLETIONS,
@@ -56,10 +56,10 @@ from lightning_sdk.proxy.call import (
     receive_within,
     serve_call,
 )
-from lightning_sdk.proxy.errors import ProxyHTTPError, error_response, from_sdk_error
-from lightning_sdk.proxy.external import ExternalBackend, ExternalRoute
+from lightning_sdk.proxy._errors import ProxyHTTPError, error_response, from_sdk_error
+from lightning_sdk.proxy._external import ExternalBackend, ExternalRoute
+from lightning_sdk.proxy._service import Proxy, ProxyConfig
 from lightning_sdk.proxy.observe import CallObserver
-from lightning_sdk.proxy.service import Proxy, ProxyConfig
 from lightning_sdk.proxy.surfaces import COUNT_TOKENS_PATH, SURFACES, count_tokens
 from lightning_sdk.store.base import Store
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_sdk.errors import ConfigError, UpstreamError
-from lightning_sdk.proxy.backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
-from lightning_sdk.proxy.shapes import ChatStreamAssembler
+from lightning_sdk.proxy._backend import CallContext, ChatResult, StreamItem, UpstreamHTTPError
+from lightning_sdk.proxy._shapes import ChatStreamAssembler
 
 __all__ = ["ExternalBackend", "ExternalRoute", "count_tokens"]
 
