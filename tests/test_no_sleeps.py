@@ -30,7 +30,7 @@ class Sleep:
 
 ALLOWED = [
     # -- kept: not a wait for a state ----------------------------------------------------------------------------
-    Sleep("tests/support/waiting.py", 2, KEPT, "the poll interval of `until` / `until_async` (the one place that polls)"),
+    Sleep("tests/support/waiting.py", 2, KEPT, "the poll interval of `until` / `until_async` (the one poll)"),
     Sleep("tests/sandbox/test_local.py", 2, KEPT, "a create / a close cancelled at chosen moments (0-50 ms in)"),
     Sleep("tests/proxy/test_routes.py", 1, KEPT, "an idle keep-alive connection must outlast the 0.5 s read timeout"),
     Sleep("tests/proxy/test_barrier.py", 2, KEPT, "a first call and its finish sent a random 0-2 ms apart (the race)"),
@@ -40,6 +40,12 @@ ALLOWED = [
         1,
         KEPT,
         "real vLLM: a weight swap a quarter into the same call's measured duration (asserted still running)",
+    ),
+    Sleep(
+        "tests/engines/test_vllm_lora.py",
+        1,
+        KEPT,
+        "real vLLM: an adapter load a quarter into the same call's measured duration (asserted still running)",
     ),
     # -- fake: deliberate delays of fakes and stand-ins -----------------------------------------------------------
     Sleep("tests/support/mock_openai.py", 2, FAKE, "the mock upstream's reply delay and its chunk pace"),
