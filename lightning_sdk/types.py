@@ -224,6 +224,11 @@ class Call(_Model):
     started_at: float = Field(default_factory=now)
     ended_at: float | None = None
     error: str | None = None
+    idempotency_key: str | None = None
+    """The agent's ``Idempotency-Key`` for this call (None when it sent none). The proxy derives the call's id from
+    the attempt and the key (``resent_call_id``), so a call the agent re-sent (a retry of a call whose answer never
+    came: a proxy killed after it committed the call) has the id of the first; a store then keeps one call per id:
+    the re-sent call's record replaces the first (the agent used the second answer), keeping the first's ``seq``."""
 
     @classmethod
     def from_checked(cls, **fields: Any) -> Call:

@@ -69,9 +69,17 @@ def _nested(annotation: Any) -> type[BaseModel] | None:
 
 
 def _table(model: type[BaseModel]) -> list[str]:
+    """The keys of ``model``; a nested model inside a section (``learner.lora``) is a row with its keys named; the
+    top level's nested models are the sections, each with its own table."""
     rows = ["| key | type | default | |", "|---|---|---|---|"]
     for name, field in model.model_fields.items():
-        if _nested(field.annotation) is not None:
+        inner = _nested(field.annotation)
+        if inner is not None and model is TrainConfig:
+            continue
+        if inner is not None:
+            desc = (field.description or "").replace("|", "\\|")
+            keys = ", ".join(inner.model_fields)
+            rows.append(f"| `{name}` | `{inner.__name__}` | {_default(field)} | {desc} (keys: {keys}) |")
             continue
         desc = (field.description or "").replace("|", "\\|")
         kind = _type(field.annotation).replace("|", "\\|")

@@ -12,7 +12,7 @@ called, so none of them is a dependency of the package.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -56,12 +56,6 @@ class LLM(BaseModel):
             "LITELLM_PROXY_API_KEY": self.api_key,
         }
 
-    def openai_client(self, **kwargs: Any) -> openai.OpenAI:
-        """A sync ``openai.OpenAI`` client for this endpoint (extra keyword arguments go to the client)."""
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
-
     def async_openai_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this endpoint (extra keyword arguments go to the client).
 
@@ -74,7 +68,14 @@ class LLM(BaseModel):
             from lightning_sdk.agent._transport import openai_http_client
 
             kwargs["http_client"] = openai_http_client((self.base_url, *self.fallback_urls))
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+        return _with_idempotency_keys(client)
+
+    def openai_client(self, **kwargs: Any) -> openai.OpenAI:
+        """A sync ``openai.OpenAI`` client for this endpoint (extra keyword arguments go to the client)."""
+        import openai
+
+        return _with_idempotency_keys(openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs))
 
     def langchain_chat(self, **kwargs: Any) -> Any:
         """A LangChain ``ChatOpenAI`` for this endpoint (needs ``langchain-openai``)."""
@@ -89,3 +90,19 @@ class LLM(BaseModel):
     def litellm_kwargs(self) -> dict[str, str]:
         """Keyword arguments for ``litellm.completion`` that route through this endpoint (``openai/<model>``)."""
         return {"model": f"openai/{self.model}", "api_base": self.base_url, "api_key": self.api_key}
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+_C = TypeVar("_C")
+
+
+def _with_idempotency_keys(client: _C) -> _C:
+    """``client`` sending an ``Idempotency-Key`` with every call: one key per logical call, the same on the SDK's
+    own retries. The OpenAI (and Anthropic) SDKs make that key already (``stainless-python-retry-<uuid>``, kept
+    across their retries) but send it only when the client names a header, which theirs do not
+    (``_idempotency_header = None``): naming ours makes a call the SDK retries (a timeout, a 5xx, a proxy killed
+    after it committed the call) one record in the store, not two (``Call.idempotency_key``)."""
+    if hasattr(client, "_idempotency_header"):
+        client._idempotency_header = IDEMPOTENCY_HEADER
+    return client

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,6 +118,8 @@ def _transport_class(hx: Any) -> Any:
                 return await self._fallback(proxy).handle_async_request(request)
             body = await request.aread()
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
+            if request.method == "POST" and "idempotency-key" not in request.headers:
+                headers["idempotency-key"] = new_idempotency_key()
             pool = self._pool(url.host, url.port or 80, request.extensions.get("timeout") or {})
             try:
                 resp = await pool.send(request.method, url.raw_path.decode("ascii"), body, headers)
@@ -139,6 +142,11 @@ def _transport_class(hx: Any) -> Any:
                 await transport.aclose()
 
     return Transport
+
+
+def new_idempotency_key() -> str:
+    """A key for one logical call (``Idempotency-Key``), for a request that came without one."""
+    return uuid.uuid4().hex
 
 
 def _bypassed(host: str, proxies: dict[str, str]) -> bool:
@@ -168,7 +176,8 @@ def _failover_class(hx: Any) -> Any:
     """A transport over several base URLs of proxies that share one store (docs/scale-out.md): a request to one of
     them that fails to connect or is cut off before its answer (the proxy died) is sent to the next, and the one
     that answered is tried first from then on. Only connection failures move on: an HTTP error answer is returned.
-    A call a dead proxy had committed but not answered is made again on the next (a new call; docs/scale-out.md)."""
+    A call a dead proxy had committed but not answered is made again on the next with the same ``Idempotency-Key``
+    (one is added when the request has none), so the store keeps one record of it (``Call.idempotency_key``)."""
     moving_on = (hx.ConnectError, hx.RemoteProtocolError, hx.ReadError, hx.WriteError)
 
     class FailoverTransport(hx.AsyncBaseTransport):  # type: ignore[misc]
@@ -185,6 +194,8 @@ def _failover_class(hx: Any) -> Any:
             rest = url[len(origin) :]
             body = request.content  # already read: the SDK sends bytes
             headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"host"]
+            if request.method == "POST" and "idempotency-key" not in request.headers:
+                headers.append((b"idempotency-key", new_idempotency_key().encode()))  # the same on every proxy
             last: BaseException | None = None
             for k in range(len(self.bases)):
                 i = (self.current + k) % len(self.bases)

@@ -162,6 +162,7 @@ async def open_job(
                 learner=config.verl or config.learner,
                 policy=config.policy,
                 cluster=config.cluster,
+                policies=config.policies,
             )
             store = open_store(config.store.spec(out))
             loop = TrainingLoop.configured(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -253,6 +254,8 @@ class TrainingLoop:
         """The loop of a job: its ``[rl]`` section as it is (group sizes, staleness, screening, the task sampler of
         ``replay_share``, the records' advantage settings) over ``parts`` (``app/parts.py``)."""
         built = records_config(rl, parts.engine.max_model_len)
+        if parts.policies:  # each policy's records from its own calls
+            built = dataclasses.replace(built, policies=parts.policies)
         sampler = (
             TaskSampler(len(train_tasks), replay_share=rl.replay_share, max_replays=rl.max_replays, seed=rl.seed)
             if rl.replay_share > 0 and train_tasks
@@ -418,8 +421,10 @@ class TrainingLoop:
         taught = {r.group_id for r in built.records}
         useless = [g for g in fresh if g.group.group_id not in taught] + stale + screened
         every = fresh + stale + screened
-        rewards = [r.reward for r in built.reports if r.reward is not None]
-        finals = [r.final_reward for r in built.reports if r.final_reward is not None]  # per-call rewards left out
+        # one value per rollout (with several policies each rollout has a report per policy, with the same reward)
+        once = {r.rollout_id: r for r in built.reports}.values()
+        rewards = [r.reward for r in once if r.reward is not None]
+        finals = [r.final_reward for r in once if r.final_reward is not None]  # per-call rewards left out
         n_rollouts = sum(len(g.rollouts) for g in fresh)
         counts = await self.store.counts()
         wall = clock.wall()

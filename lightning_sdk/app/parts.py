@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.engines.serving import (
@@ -33,7 +32,7 @@ from lightning_sdk.engines.serving import (
 from lightning_sdk.errors import ConfigError, TokenizationError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.config import ClusterConfig, VerlSettings
+from lightning_sdk.trainer.config import ClusterConfig, PolicySettings, VerlSettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
 
 if TYPE_CHECKING:
@@ -49,7 +48,8 @@ class LearnerLike(Protocol):
 
     def step(self, records: Sequence[Record]) -> dict[str, float]: ...
 
-    def weights(self) -> dict[str, torch.Tensor]: ...
+    def weights(self) -> dict[str, Any]:  # a state dict (several policies: each policy's adapter state)
+        ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -69,6 +69,7 @@ class Parts:
     model: PreTrainedModel | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
     renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
+    policies: tuple[str, ...] = ()  # several policies in one run (``[policies]``: app/policies.py); empty: one
 
     async def close(self) -> None:
         """Close the engine (and the servers it launched), then shut the backend down."""
@@ -85,15 +86,21 @@ def build_parts(
     learner: LearnerConfig | VerlSettings,
     policy: PolicyConfig | None = None,
     cluster: ClusterConfig | None = None,
+    policies: dict[str, PolicySettings] | None = None,
 ) -> Parts:
     """Engine + learner + weight publishing for ``model_dir``: the engine ``engine`` says (with ``cluster.ray``, the
     embedded engines as Ray actors: ``lightning_sdk/cluster``), the learner of the learner section handed over
-    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names."""
+    (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names.
+    ``policies`` (``[policies]``): several policies, each a LoRA adapter over this one base (``app/policies.py``)."""
     from lightning_sdk.policy.model import load_policy
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
     renderer = policy_renderer(policy or PolicyConfig(), tokenizer)
+    if policies:
+        if not isinstance(learner, LearnerConfig):
+            raise ConfigError("[policies] needs the embedded learner ([learner], backend 'embedded')")
+        return _policy_parts(model, tokenizer, renderer, policies, learner, engine)
     served: ServingEngine
     if cluster is not None and cluster.ray and not remote:  # the engines as Ray actors where the GPUs are
         from lightning_sdk.cluster import RayEngine, connect
@@ -136,6 +143,30 @@ def build_parts(
         tokenizer.save_pretrained(str(out))
 
     return Parts(engine=served, learner=trainer, weights=weights, save_model=save, model=model, renderer=renderer)
+
+
+def _policy_parts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: ChatRenderer,
+    policies: dict[str, PolicySettings],
+    learner: LearnerConfig,
+    engine: EngineConfig,
+) -> Parts:
+    from lightning_sdk.app.policies import build_policies, save_policies
+
+    engines, learners = build_policies(
+        model, tokenizer, policies, learner, max_batch_size=engine.max_batch_size, threads=engine.threads
+    )
+    return Parts(
+        engine=engines,
+        learner=learners,
+        weights=learners.weights,
+        save_model=lambda out: save_policies(learners, model, tokenizer, out),
+        model=None,  # no warm start: it would train the shared base
+        renderer=renderer,
+        policies=tuple(policies),
+    )
 
 
 def _ray_learner_parts(

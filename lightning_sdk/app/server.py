@@ -95,14 +95,29 @@ class ProxyServer:
         and publish it as a resource; with ``run_dir``, the run viewer at ``/lightning/v1/ui`` too (behind the
         admin key); ``telemetry``: the proxy's call and attempt spans. ``publish=False``: not published as the
         policy's resource (a cluster's extra proxies)."""
-        from lightning_sdk.proxy import create_app
+        from lightning_sdk.app.policies import PolicyEngines
+        from lightning_sdk.proxy import PolicyBackend, ProxyConfig, create_app
+        from lightning_sdk.proxy.router import PolicyRouter
         from lightning_sdk.proxy.serve import uvicorn_config
         from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
         from lightning_sdk.tokens import ChatRenderer
 
         # the policy's renderer (``app/parts.py``: its template probed and chosen), or one from a bare tokenizer
         renderer = tokenizer if isinstance(tokenizer, ChatRenderer) else ChatRenderer.for_policy(tokenizer)
-        backend = TokenModeBackend(engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling))
+        backend: PolicyBackend
+        config: ProxyConfig | None = None
+        if isinstance(engine, PolicyEngines):  # several policies: each request's model names its policy
+            backend = PolicyRouter(
+                {
+                    name: TokenModeBackend(one, renderer, config=TokenModeConfig(model_name=name, sampling=sampling))
+                    for name, one in engine.policies.items()
+                }
+            )
+            config = ProxyConfig(policy_models=list(engine.policies))  # any other name: 404, recorded
+        else:
+            backend = TokenModeBackend(
+                engine, renderer, config=TokenModeConfig(model_name=model_name, sampling=sampling)
+            )
         extra: list[BaseRoute] = []
         if run_dir is not None:
             from lightning_sdk.viewer import RunData, create_viewer_app
@@ -115,7 +130,13 @@ class ProxyServer:
 
             observers.append(SpanObserver(telemetry))
         app = create_app(
-            store, policy_backend=backend, admin_key=admin_key, metrics=metrics, extra_routes=extra, observers=observers
+            store,
+            policy_backend=backend,
+            admin_key=admin_key,
+            config=config,
+            metrics=metrics,
+            extra_routes=extra,
+            observers=observers,
         )
         self._server = _Server(uvicorn_config(app, self.host, self.port, loop="asyncio"))
         self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))

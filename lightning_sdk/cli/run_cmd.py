@@ -1,5 +1,9 @@
 """``lightning-sdk run MODULE:AGENT --server URL --workers N [--tasks FILE.jsonl --admin-key KEY]``: agent workers.
 
+``--fallback-server URL`` (repeatable) names more proxies on the same store (docs/scale-out.md): the agents' LLM
+calls fail over to them, in turn, when the one in use cannot be reached or dies mid-call (``LLM.fallback_urls``);
+the workers' store, reward and finish requests stay on ``--server``.
+
 Without ``--tasks`` the workers pull attempts from the server's queue (a trainer daemon) until SIGINT/SIGTERM.
 With ``--tasks`` they first enqueue exactly those tasks (one JSON object per line) in a split of their own, run
 exactly them, print a summary (success rate, mean reward, n, failures with their traceback or stderr tail) and
@@ -125,6 +129,7 @@ async def _run(
     grace_s: float,
     console: Console,
     show_progress: bool,
+    fallbacks: tuple[str, ...] = (),
 ) -> tuple[RunSummary | None, list[AttemptResult], bool]:
     from lightning_sdk.store.http_client import HTTPStore
 
@@ -149,6 +154,7 @@ async def _run(
             default_timeout=timeout,
             split=run_split,
             on_result=progress,
+            fallback_urls=fallbacks,
         )
         interrupted = _install_signals(pool, console, grace_s)
         try:
@@ -188,6 +194,15 @@ def _install_signals(pool: WorkerPool, console: Console, grace_s: float) -> list
     return received
 
 
+def _root(server: str) -> str:
+    root = server.rstrip("/")
+    if root.endswith("/v1"):  # people paste the OpenAI base URL; the server's root is what we need
+        root = root[: -len("/v1")]
+    if not root.startswith(("http://", "https://")):
+        raise ConfigError(f"{server!r} is not an http(s) URL")
+    return root
+
+
 @app.command("run")
 def run_command(
     agent: str = typer.Argument(..., help="MODULE:AGENT, FILE.py:AGENT, or a YAML/JSON command agent config."),
@@ -204,6 +219,11 @@ def run_command(
     grace: float = typer.Option(30.0, "--grace", help="Seconds in-flight attempts get after SIGTERM."),
     summary_path: Path | None = typer.Option(None, "--summary", help="Write the summary as JSON to this file."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    fallback_servers: list[str] = typer.Option(
+        [],
+        "--fallback-server",
+        help="Root URL of another proxy on the same store (repeatable): the agents' LLM calls fail over to it.",
+    ),
 ) -> None:
     """Run agent workers against a daemon, or run exactly the tasks of a JSONL file through a proxy."""
     console = Console(stderr=True)
@@ -212,9 +232,8 @@ def run_command(
             raise ConfigError("--admin-key (or LIGHTNING_SDK_ADMIN_KEY) is needed to reach the server's store")
         if summary_path is not None and (summary_path.is_dir() or not summary_path.parent.is_dir()):
             raise ConfigError(f"--summary {summary_path}: not a writable file path (is its folder there?)")
-        root = server.rstrip("/")
-        if root.endswith("/v1"):  # people paste the OpenAI base URL; the server's root is what we need
-            root = root[: -len("/v1")]
+        root = _root(server)
+        fallbacks = tuple(_root(u) for u in fallback_servers)
         the_agent = load_agent(agent)
         task_list = read_tasks(tasks) if tasks is not None else None
         summary, results, interrupted = asyncio.run(
@@ -233,6 +252,7 @@ def run_command(
                 grace_s=grace,
                 console=console,
                 show_progress=progress,
+                fallbacks=fallbacks,
             )
         )
     except LightningSDKError as exc:

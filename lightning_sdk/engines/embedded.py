@@ -21,6 +21,12 @@ temperature, so the importance ratio is exactly 1 for on-policy data.
 Weights: ``update_weights`` stops new rows from joining, waits until the running rows have finished (on the old
 weights, recording the old policy version), swaps, empties the prefix cache, and lets the waiting requests start on
 the new weights.
+
+Adapters (several policies over one base): ``add_adapter(name, lora_config)`` wraps the model in PEFT (once) and adds
+a LoRA adapter, unmerged; ``adapter(name)`` is an ``Engine`` whose requests run that adapter over the shared base, with
+its own policy version and its own ``update_weights`` (the adapter's PEFT state dict: a publication of that policy).
+Rows of different adapters (and of the bare base) share one batch: each forward pass names every row's adapter
+(PEFT's mixed-adapter batches), and the prefix cache keeps each adapter's KV apart.
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
-__all__ = ["EmbeddedEngine", "PrefixCache"]
+__all__ = ["AdapterEngine", "EmbeddedEngine", "PrefixCache"]
+
+#: PEFT's name for "no adapter" in a mixed-adapter batch (the bare base model's rows)
+_BASE = "__base__"
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +78,7 @@ class _Request:
     version: int = 0
     reused: int = 0  # prompt tokens taken from the prefix cache
     queued_at: int = 0  # the engine's decode step count when the request arrived
+    adapter: str | None = None  # the LoRA adapter that serves it (None: the base model)
 
     def deliver(self, final: bool) -> None:
         """Send what is new (every token when streaming, else everything at the end) to the waiting coroutine."""
@@ -104,7 +114,7 @@ class PrefixCache:
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        self._entries: OrderedDict[tuple[int, int], tuple[tuple[int, ...], _KV]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int, str | None], tuple[tuple[int, ...], _KV]] = OrderedDict()
         self._lengths: dict[int, int] = {}  # sequence length -> entries of that length
         self.hits = 0
         self.misses = 0
@@ -113,17 +123,27 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._lengths.clear()
-        self.tokens = 0
+    def clear(self, namespace: str | None = None, *, everything: bool = True) -> None:
+        """Forget every entry, or (``everything=False``) only those of ``namespace`` (one adapter's KV)."""
+        if everything:
+            self._entries.clear()
+            self._lengths.clear()
+            self.tokens = 0
+            return
+        for key in [k for k in self._entries if k[2] == namespace]:
+            del self._entries[key]
+            self.tokens -= key[0]
+            self._lengths[key[0]] -= 1
+            if not self._lengths[key[0]]:
+                del self._lengths[key[0]]
 
-    def put(self, ids: list[int], kv: _KV) -> None:
-        """Remember the KV of ``ids`` (one sequence: [heads, len(ids), head_dim] per layer; stored as given)."""
+    def put(self, ids: list[int], kv: _KV, namespace: str | None = None) -> None:
+        """Remember the KV of ``ids`` (one sequence: [heads, len(ids), head_dim] per layer; stored as given), computed
+        by ``namespace`` (an adapter; None: the base model)."""
         n = len(ids)
         if n == 0 or n > self.max_tokens:
             return
-        key = (n, _prefix_hashes(ids)[-1])
+        key = (n, _prefix_hashes(ids)[-1], namespace)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -131,14 +151,14 @@ class PrefixCache:
         self._lengths[n] = self._lengths.get(n, 0) + 1
         self.tokens += n
         while self.tokens > self.max_tokens:
-            (length, _), _ = self._entries.popitem(last=False)
+            (length, _, _), _ = self._entries.popitem(last=False)
             self.tokens -= length
             self._lengths[length] -= 1
             if not self._lengths[length]:
                 del self._lengths[length]
 
-    def lookup(self, ids: list[int]) -> tuple[int, _KV | None]:
-        """The longest cached sequence that ``ids`` starts with: (its length, its KV), or (0, None)."""
+    def lookup(self, ids: list[int], namespace: str | None = None) -> tuple[int, _KV | None]:
+        """The longest cached sequence of ``namespace`` that ``ids`` starts with: (its length, its KV), or (0, None)."""
         if not self._entries:
             self.misses += 1
             return 0, None
@@ -146,7 +166,7 @@ class PrefixCache:
         for n in sorted(self._lengths, reverse=True):
             if n > len(ids):
                 continue
-            key = (n, hashes[n - 1])
+            key = (n, hashes[n - 1], namespace)
             entry = self._entries.get(key)
             if entry is not None and entry[0] == tuple(ids[:n]):
                 self._entries.move_to_end(key)
@@ -185,6 +205,7 @@ class EmbeddedEngine(Engine):
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size
         self._version = policy_version
+        self._adapters: dict[str, int] = {}  # LoRA adapter name -> the policy version it serves
         self._eos_ids = _eos_ids(model, tokenizer)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self._eos_ids)
         self._max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
@@ -281,31 +302,78 @@ class EmbeddedEngine(Engine):
             req.fail(EngineError("the engine was closed"))
         await asyncio.to_thread(self._thread.join, 10.0)
 
+    # -- adapters (several policies over one base) ------------------------------------------------------------------
+    def add_adapter(self, name: str, config: Any, *, version: int = 0) -> AdapterEngine:
+        """Serve a LoRA adapter ``name`` (``config``: PEFT's ``LoraConfig``) over this engine's base model, unmerged;
+        it starts as PEFT initialises it (B = 0: the base's answers) until its first ``update_weights``."""
+        if not name or name == _BASE:
+            raise EngineError(f"adapter name {name!r} is reserved or empty")
+        if name in self._adapters:
+            raise EngineError(f"the engine already serves an adapter {name!r}")
+        try:
+            from peft import PeftModel, get_peft_model
+        except ImportError as exc:
+            raise EngineError("serving adapters needs the PyPI package peft (in the train extra)") from exc
+        with self._model_lock:
+            if isinstance(self._model, PeftModel):
+                self._model.add_adapter(name, config)
+            else:
+                self._model = get_peft_model(self._model, config, adapter_name=name)
+            self._model.eval()  # type: ignore[no-untyped-call]
+            self._adapters[name] = version
+        return AdapterEngine(self, name)
+
+    def adapter(self, name: str) -> AdapterEngine:
+        """The ``Engine`` of adapter ``name`` (added by ``add_adapter``)."""
+        if name not in self._adapters:
+            raise EngineError(f"the engine serves no adapter {name!r} (adapters: {sorted(self._adapters)})")
+        return AdapterEngine(self, name)
+
+    @property
+    def adapters(self) -> dict[str, int]:
+        """The adapters served and the policy version of each."""
+        return dict(self._adapters)
+
     # -- internals ------------------------------------------------------------------------------------------------
-    def _swap(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+    def _swap(self, state: Mapping[str, torch.Tensor], version: int, adapter: str | None = None) -> None:
+        if adapter is None and self._adapters:
+            raise EngineError("this engine serves LoRA adapters over a frozen base: publish each adapter's weights")
         with self._cond:
             self._draining += 1
             try:
                 while self._running and not self._closed:
                     self._cond.wait()
                 with self._model_lock:
-                    try:
-                        self._model.load_state_dict(state, strict=False)
-                    except RuntimeError as exc:
-                        raise EngineError(f"the new weights do not fit the model: {exc}") from exc
-                    self._version = version
-                    if self.prefix_cache is not None:
-                        self.prefix_cache.clear()  # computed by the old weights
+                    if adapter is None:
+                        try:
+                            self._model.load_state_dict(state, strict=False)
+                        except RuntimeError as exc:
+                            raise EngineError(f"the new weights do not fit the model: {exc}") from exc
+                        self._version = version
+                    else:
+                        _load_adapter(self._model, state, adapter)
+                        self._adapters[adapter] = version
+                    if self.prefix_cache is not None:  # computed by the old weights
+                        self.prefix_cache.clear(adapter, everything=adapter is None)
             finally:
                 self._draining -= 1
                 self._cond.notify_all()
-        logger.info("embedded engine now serves policy version %d", version)
+        served = f"adapter {adapter!r}" if adapter else "policy"
+        logger.info("embedded engine now serves %s version %d", served, version)
+
+    def _adapter_names(self, rows: list[_Request]) -> dict[str, Any]:
+        """The forward pass's ``adapter_names`` (one per row; PEFT's mixed-adapter batch) when adapters are served."""
+        if not self._adapters:
+            return {}
+        return {"adapter_names": [r.adapter or _BASE for r in rows]}
 
     async def _submit(
-        self, input_ids: list[int], sampling: Sampling, *, streaming: bool
+        self, input_ids: list[int], sampling: Sampling, *, streaming: bool, adapter: str | None = None
     ) -> AsyncIterator[GenerationDelta]:
         if self._closed:
             raise EngineError("the engine is closed")
+        if adapter is not None and adapter not in self._adapters:
+            raise EngineError(f"the engine serves no adapter {adapter!r}")
         if not input_ids:
             raise EngineError("empty prompt")
         gen = torch.Generator()
@@ -319,6 +387,7 @@ class EmbeddedEngine(Engine):
             generator=gen,
             stop_ids=self._eos_ids | set(sampling.stop_token_ids),
             queued_at=self.stats["steps"],
+            adapter=adapter,
         )
         with self._cond:
             self._pending.append(req)
@@ -357,7 +426,7 @@ class EmbeddedEngine(Engine):
                 with self._model_lock, torch.inference_mode():
                     if admit:
                         for req in admit:
-                            req.version = self._version
+                            req.version = self._version if req.adapter is None else self._adapters[req.adapter]
                         self._prefill(batch, admit)
                     self._step(batch)
             except Exception as exc:  # every waiting request must hear about the failure
@@ -392,7 +461,7 @@ class EmbeddedEngine(Engine):
         past: list[_KV | None] = []
         hits: list[int] = []
         for req in admit:
-            n, kv = (0, None) if self.prefix_cache is None else self.prefix_cache.lookup(req.input_ids)
+            n, kv = (0, None) if self.prefix_cache is None else self.prefix_cache.lookup(req.input_ids, req.adapter)
             hits.append(min(n, len(req.input_ids) - 1))  # at least one prompt token runs, for the next logits
             past.append(kv)
         width_new = max(len(r.input_ids) - n for r, n in zip(admit, hits, strict=True))
@@ -420,6 +489,7 @@ class EmbeddedEngine(Engine):
             position_ids=positions.to(dev),
             past_key_values=cache,
             use_cache=True,
+            **self._adapter_names(admit),
         )
         logits = out.logits[:, -1, :].float()
         kv = _cache_kv(cache)
@@ -434,7 +504,7 @@ class EmbeddedEngine(Engine):
                 start = total - n_all
                 for n in [*range(chunk, n_all, chunk), n_all]:
                     row = [(k[i, :, start : start + n].clone(), v[i, :, start : start + n].clone()) for k, v in kv]
-                    self.prefix_cache.put(r.input_ids[:n], row)
+                    self.prefix_cache.put(r.input_ids[:n], row, r.adapter)
         batch.merge(admit, kv, mask.to(dev), torch.tensor([len(r.input_ids) for r in admit], device=dev), logits)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.rows))
 
@@ -460,7 +530,7 @@ class EmbeddedEngine(Engine):
             elif self.prefix_cache is not None:  # its KV: prompt + completion but the last token (never run)
                 n = len(req.input_ids) + len(req.ids) - 1
                 kv = [(k[j, :, -n:].clone(), v[j, :, -n:].clone()) for k, v in batch.kv()]
-                self.prefix_cache.put(req.input_ids + req.ids[:-1], kv)
+                self.prefix_cache.put(req.input_ids + req.ids[:-1], kv, req.adapter)
             req.deliver(final=req.finish_reason is not None)
         alive = [j for j in range(len(batch.rows)) if attend[j]]
         if not alive:
@@ -478,6 +548,7 @@ class EmbeddedEngine(Engine):
             position_ids=batch.positions.unsqueeze(1),
             past_key_values=batch.cache,
             use_cache=True,
+            **self._adapter_names(batch.rows),
         )
         batch.logits = out.logits[:, -1, :].float()
         batch.positions = batch.positions + 1
@@ -492,6 +563,76 @@ class EmbeddedEngine(Engine):
         if len(req.ids) >= req.sampling.max_tokens or prompt_len + len(req.ids) >= self._max_positions:
             return "length"
         return None
+
+
+class AdapterEngine(Engine):
+    """One LoRA adapter of an ``EmbeddedEngine`` as an ``Engine`` (a policy of a multi-policy run): its requests run
+    the adapter over the shared base; ``update_weights`` loads the adapter's PEFT state dict (``Learner.weights`` of a
+    LoRA learner with ``merged=False``) and serves it as that policy's ``version``. ``close`` leaves the shared
+    engine running: its owner closes it."""
+
+    def __init__(self, engine: EmbeddedEngine, name: str) -> None:
+        self.base = engine
+        self.name = name
+
+    @property
+    def policy_version(self) -> int:
+        return self.base.adapters[self.name]
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.base.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.base.max_model_len
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.base.stats
+
+    async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        reason: str | None = None
+        version: int | None = None
+        async for delta in self.base._submit(input_ids, sampling, streaming=False, adapter=self.name):
+            ids += delta.ids
+            logprobs += delta.logprobs
+            reason, version = delta.finish_reason, delta.policy_version
+        return Generation(
+            completion_ids=ids, logprobs=logprobs, finish_reason=reason or "abort", policy_version=version
+        )
+
+    def stream(
+        self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        return self.base._submit(input_ids, sampling, streaming=True, adapter=self.name)
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        state = _load_state(source)
+        await asyncio.to_thread(self.base._swap, state, version, self.name)
+
+    async def close(self) -> None:
+        return None
+
+
+def _load_adapter(model: Any, state: Mapping[str, torch.Tensor], name: str) -> None:
+    """Load a PEFT adapter state dict (``get_peft_model_state_dict``'s keys, no adapter name) as adapter ``name``;
+    a state that does not cover the adapter's every weight is refused (a partial load would serve a mix)."""
+    from peft import set_peft_model_state_dict
+
+    expected = {k for k in model.state_dict() if f".{name}." in k and ".lora_" in k}
+    try:
+        result: Any = set_peft_model_state_dict(model, dict(state), adapter_name=name)
+    except RuntimeError as exc:
+        raise EngineError(f"the weights of adapter {name!r} do not fit it: {exc}") from exc
+    missing = expected & set(result.missing_keys)
+    if missing or result.unexpected_keys:
+        raise EngineError(
+            f"the weights of adapter {name!r} do not fit it: missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
 
 
 class _Batch:

@@ -56,6 +56,7 @@ class AttemptState:
         "closing",
         "idle",
         "keep",
+        "keyed",
         "loaded",
         "n_calls",
         "n_errors",
@@ -90,6 +91,7 @@ class AttemptState:
         self.idle.set()
         self.n_calls = 0  # calls handed to the recorder in this process (failed ones included)
         self.n_errors = 0  # of which recorded with an error
+        self.keyed: set[str] | None = None  # ids of the calls with an Idempotency-Key recorded here (re-sent ones)
         self._load_lock = asyncio.Lock()
 
     @property
@@ -137,9 +139,27 @@ class AttemptState:
             await self._load(store)
         return any(c.call_id == call_id for c in self.calls)
 
+    def first_of(self, call: Call) -> bool:
+        """Whether ``call`` is the first record of its id here: False for a re-sent call (``Call.idempotency_key``)
+        whose first record this proxy made, which the store replaces (counted once)."""
+        if call.idempotency_key is None:
+            return True
+        if self.keyed is None:
+            self.keyed = set()
+        if call.call_id in self.keyed:
+            return False
+        self.keyed.add(call.call_id)
+        return True
+
     def add_call(self, call: Call) -> None:
         if not self.keep:  # nobody reads them (yet): the store has them once the recorder commits them
             return
+        if call.idempotency_key is not None:  # a re-sent call replaces the first here too, in its place
+            for i, kept in enumerate(self.calls):
+                if kept.call_id == call.call_id:
+                    call.seq = kept.seq
+                    self.calls[i] = call
+                    return
         if not self.calls or self.calls[-1].seq < call.seq:
             self.calls.append(call)
         else:  # calls of one attempt may finish out of order

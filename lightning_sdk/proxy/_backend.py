@@ -107,6 +107,7 @@ class CallContext:
     policy_version: int | None = None
     split: str | None = None  # the attempt's rollout split (None: not known yet); chooses per-split sampling
     prompt_tokens: int | None = None  # set by a streaming backend that knows the prompt's length before its 1st chunk
+    idempotency_key: str | None = None  # the agent's Idempotency-Key (Call.idempotency_key)
     _earlier: Callable[[], Awaitable[list[Call]]] | None = None
 
     async def earlier_calls(self) -> list[Call]:

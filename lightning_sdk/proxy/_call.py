@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import math
@@ -98,6 +99,32 @@ _ID_COUNTER = itertools.count(1)
 def new_call_id() -> str:
     """A unique call id (a per-process random prefix and a counter: no syscall on the hot path)."""
     return f"call-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+
+
+IDEMPOTENCY_HEADER = b"idempotency-key"
+"""Request header naming one logical call: the agent sends the same key when it makes the call again (its SDK's
+retry, or a fail-over to another proxy after the first died before answering). ``LLM``'s clients send one."""
+MAX_IDEMPOTENCY_KEY = 255
+
+
+def resent_call_id(attempt_id: str, key: str) -> str:
+    """The id of the call ``key`` names in ``attempt_id``: the same on every proxy, so a re-sent call replaces the
+    first's record in the store (``Call.idempotency_key``)."""
+    digest = hashlib.blake2b(f"{attempt_id}\0{key}".encode(), digest_size=10).hexdigest()
+    return f"call-k{digest}"
+
+
+def idempotency_key(scope: Scope) -> str | None:
+    """The request's ``Idempotency-Key`` (None when absent); 400 for one that is empty or over 255 characters."""
+    for name, value in scope["headers"]:
+        if name == IDEMPOTENCY_HEADER:
+            key = str(value.decode("latin-1")).strip()
+            if not key or len(key) > MAX_IDEMPOTENCY_KEY:
+                raise ProxyHTTPError(
+                    400, f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY} characters", param="Idempotency-Key"
+                )
+            return key
+    return None
 
 
 # -- the adapter interface ---------------------------------------------------------------------------------------------
@@ -427,13 +454,15 @@ async def serve_call(
 ) -> None:
     """Serve one request of an LLM route with ``adapter`` and record it (see the module docstring)."""
     observers = proxy.observers
+    metrics = proxy.metrics
     start: CallStart | None = None
+    t0 = time.perf_counter() if observers or metrics is not None else 0.0
+    started = now()
+    if metrics is not None:  # counted straight in (no event objects: proxy/_call_metrics.py)
+        metrics.call_started()
     if observers:
-        start = CallStart(adapter.api, route, now(), time.perf_counter(), _traceparent(scope))
+        start = CallStart(adapter.api, route, started, t0, _traceparent(scope))
         notify_started(observers, start)
-        started = start.started_at
-    else:
-        started = now()
     body: dict[str, Any] | None = None
     try:
         config = proxy.config
@@ -444,17 +473,19 @@ async def serve_call(
     except LightningSDKError as exc:
         err = refusal(exc)
         await send_error(send, adapter, err)
+        if metrics is not None:
+            metrics.call_ended(adapter.api, err.status, "none", time.perf_counter() - t0, 0, 0)
         if start is not None:
             model = body.get("model") if body is not None else None
             stream = bool(body.get("stream")) if body is not None else False
             end = CallEnd(
                 start, err.status, stream, None, model if isinstance(model, str) else None, None, None,
-                err.kind, err.code, None, None, time.perf_counter() - start.t0,
+                err.kind, err.code, None, None, time.perf_counter() - t0,
             )  # fmt: skip
             notify_ended(observers, end)
         return
     try:
-        await _serve(proxy, adapter, scope, receive, send, state, body, started, start)
+        await _serve(proxy, adapter, scope, receive, send, state, body, started, t0, start)
     finally:
         state.leave()
 
@@ -468,6 +499,7 @@ async def _serve(
     state: AttemptState,
     body: dict[str, Any],
     started: float,
+    t0: float,
     start: CallStart | None,
 ) -> None:
     out = _Sent(send)
@@ -482,24 +514,27 @@ async def _serve(
     task = asyncio.current_task()
     stream = bool(body.get("stream"))
     try:
-        backend = proxy.backend_for(body["model"])
-        if not adapter.chat and isinstance(backend, ExternalBackend):
-            raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         seq = await state.take_seq(proxy.store)
         if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/_shared.py)
             seq = await proxy.shared.reserve_seq(state.attempt.attempt_id)
+        key = idempotency_key(scope)
         ctx = CallContext(
             attempt=state.attempt,
-            call_id=new_call_id(),
+            call_id=new_call_id() if key is None else resent_call_id(state.attempt.attempt_id, key),
             seq=seq,
             model=body["model"],
             policy_version=await proxy.policy_version(),
             split=state.split,
+            idempotency_key=key,
             _earlier=_earlier(state, proxy.store, seq, proxy.shared is not None),
         )
         state.call_ids.add(ctx.call_id)
         if task is not None:
             state.tasks.add(task)
+        # after the context: a refused model name (404 model_not_found) is recorded as a failed call
+        backend = proxy.backend_for(body["model"])
+        if not adapter.chat and isinstance(backend, ExternalBackend):
+            raise ProxyHTTPError(400, f"model {body['model']!r} is external: use /v1/chat/completions", param="model")
         t = adapter.to_chat(body, ctx, scope, await ctx.earlier_calls() if adapter.reads_earlier_calls else _NO_CALLS)
         if proxy.config.cancel_on_disconnect:
             watch = HangUpWatch(receive, task, proxy.hang_ups)
@@ -507,7 +542,7 @@ async def _serve(
             if stream:
                 items = _open_stream(backend, adapter.chat, t.chat, ctx)
                 first = await anext(items)  # errors before the first byte still get a proper status code
-                if start is not None:
+                if start is not None:  # time to the first chunk: only the observers' events carry it
                     first_at = time.perf_counter()
                 events = adapter.stream_events(t, ctx)
                 result, error = await _relay(out, events, first, items, ctx.call_id)
@@ -550,13 +585,23 @@ async def _serve(
             call = await record_call(proxy, state, ctx, adapter.recorded(t, body, ok), ok, error, adapter.chat, started)
         except LightningSDKError as exc:  # a shared store refused it after the answer (a stream, an error)
             logger.warning("call %s: not recorded: %s", ctx.call_id, exc)
+    metrics = proxy.metrics
+    if metrics is None and start is None:
+        return
+    status = 200 if error is None or (out.started and error.status != 499) else error.status
+    duration = time.perf_counter() - t0
+    if metrics is not None:
+        mode = _mode(backend) or "none"
+        if call is None:
+            metrics.call_ended(adapter.api, status, mode, duration, 0, 0)
+        else:
+            metrics.call_ended(adapter.api, status, mode, duration, len(call.prompt_ids), len(call.completion_ids))
     if start is not None:
-        status = 200 if error is None or (out.started and error.status != 499) else error.status
         attempt = state.attempt
         end = CallEnd(
             start, status, stream, _mode(backend), body["model"], attempt.attempt_id, attempt.rollout_id,
             error.kind if error is not None else None, error.code if error is not None else None, call,
-            first_at - start.t0 if first_at is not None else None, time.perf_counter() - start.t0,
+            first_at - t0 if first_at is not None else None, duration,
         )  # fmt: skip
         notify_ended(proxy.observers, end)
 
@@ -627,7 +672,8 @@ async def record_call(
         state.n_errors += 1
     else:
         state.add_call(call)
-    state.n_calls += 1
+    if state.first_of(call):
+        state.n_calls += 1
     if proxy.commits is not None:
         await proxy.commits.commit(call)  # raises when the store refused it (its attempt ended elsewhere)
     else:
@@ -657,6 +703,7 @@ def _make_call(
             policy_version=ctx.policy_version,
             started_at=started,
             ended_at=now(),
+            idempotency_key=ctx.idempotency_key,
         )
     return (Call.from_checked if result.checked else Call)(
         call_id=ctx.call_id,
@@ -678,4 +725,5 @@ def _make_call(
         started_at=started,
         ended_at=now(),
         error=None,
+        idempotency_key=ctx.idempotency_key,
     )

@@ -1,13 +1,17 @@
-"""The proxy's Prometheus call metrics as an observer on the call pipeline's seam (``proxy/observe.py``).
+"""The proxy's Prometheus call metrics, and the same as an observer on the call pipeline's seam.
 
-``Proxy`` puts a ``CallMetrics`` first among its observers whenever it has an ``OpsMetrics`` (``GET /metrics``):
-every LLM request counts in ``lightning_sdk_calls_total{route, status, mode}`` and the duration histogram, a
-recorded call's ids in the token histograms (``kind="prompt"``: ``len(prompt_ids)``, ``kind="completion"``:
-``len(completion_ids)``), requests being served in ``lightning_sdk_calls_in_flight``, and each attempt ended here
-in ``lightning_sdk_attempts_ended_total{status}``. ``route`` is the API surface (``chat.completions``,
-``completions``, ``responses``, ``messages``: a session route ``/t/<token>/...`` counts with its surface, and no
-token reaches a label); ``mode`` is ``token``, ``passthrough``, ``external``, or ``none`` for a request refused
-before a backend was chosen.
+The proxy counts its calls into its ``OpsMetrics`` straight from the pipeline (``proxy/_call.py``: two plain calls
+per request, ``OpsMetrics.call_started`` / ``call_ended``, and ``attempt_ended`` at a finish), not through the
+observer seam: building a ``CallStart`` and a ``CallEnd`` and dispatching them for every call cost more than the
+counting itself (``benchmarks/proxy_inprocess.py --compare-metrics``; docs/proxy.md). Every LLM request counts in
+``lightning_sdk_calls_total{route, status, mode}`` and the duration histogram, a recorded call's ids in the token
+histograms (``kind="prompt"``: ``len(prompt_ids)``, ``kind="completion"``: ``len(completion_ids)``), requests being
+served in ``lightning_sdk_calls_in_flight``, and each attempt ended here in ``lightning_sdk_attempts_ended_total
+{status}``. ``route`` is the API surface (``chat.completions``, ``completions``, ``responses``, ``messages``: a
+session route ``/t/<token>/...`` counts with its surface, and no token reaches a label); ``mode`` is ``token``,
+``passthrough``, ``external``, or ``none`` for a request refused before a backend was chosen.
+
+``CallMetrics`` counts the same from the seam's events, for an ``OpsMetrics`` fed by another process's events.
 """
 
 from __future__ import annotations

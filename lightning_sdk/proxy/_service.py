@@ -24,7 +24,6 @@ from lightning_sdk.http_errors import bearer_token
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy._attempts import AttemptCache, AttemptState
 from lightning_sdk.proxy._backend import PolicyBackend
-from lightning_sdk.proxy._call_metrics import CallMetrics
 from lightning_sdk.proxy._errors import ProxyHTTPError
 from lightning_sdk.proxy._external import ExternalBackend
 from lightning_sdk.proxy._hangup import HangUpSweeper
@@ -97,8 +96,7 @@ class Proxy:
         self.shared: SharedStore | None = store if is_shared(store) else None  # type: ignore[assignment]
         self.commits = CommitWriter(self.shared, max_batch=self.config.record_batch) if self.shared else None
         if metrics is not None:
-            metrics.refreshers.append(self._refresh_metrics)
-            self.observers = (CallMetrics(metrics), *self.observers)  # calls, latency, tokens, in flight, finishes
+            metrics.refreshers.append(self._refresh_metrics)  # the call pipeline counts into it directly
         for observer in self.observers:
             observer.attach(store)
         after_s = self.config.hang_up_watch_after_s
@@ -212,6 +210,8 @@ class Proxy:
         self.attempts.ended(state.attempt.token, attempt)
         lost_calls = sum(1 for f in failures if f.startswith("call "))
         n_calls = state.n_calls - lost_calls if landed is None else landed
+        if self.metrics is not None:
+            self.metrics.attempt_ended(attempt.status.value)
         if self.observers:
             event = FinishEvent(
                 attempt.attempt_id, attempt.rollout_id, attempt.status.value, why, n_calls,

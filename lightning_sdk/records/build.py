@@ -49,6 +49,10 @@ class RecordsConfig:
 
     merge: MergeOptions = field(default_factory=MergeOptions)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    #: several policies in one run: build each policy's records from its own calls only (a call's ``model`` names
+    #: the policy that served it), its advantages over the rollouts that called it, from the same rollout reward;
+    #: every record carries its ``policy``. Empty: one policy, every policy call.
+    policies: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -59,6 +63,7 @@ class RolloutReport:
     group_id: str
     status: str
     attempt_id: str | None = None
+    policy: str | None = None  # several policies in one run: the policy this report is about
     trained: bool = False
     note: str | None = None  # why the rollout is not trained
     reward: float | None = None  # the final reward plus any per-call rewards
@@ -77,6 +82,7 @@ class RolloutReport:
         return {
             "rollout_id": self.rollout_id,
             "group": self.group_id,
+            "policy": self.policy,
             "status": self.status,
             "attempt_id": self.attempt_id,
             "trained": self.trained,
@@ -218,6 +224,32 @@ def build_records(
     with per-turn credit, in group order): a streamed export builds a page at a time and hands each page the
     advantages an estimator that looks beyond the group computed over the whole export."""
     config = config or RecordsConfig()
+    if config.policies:
+        return _per_policy(groups, config, advantages)
+    return _build(groups, config, advantages)
+
+
+def _per_policy(
+    groups: Sequence[FinishedGroup], config: RecordsConfig, advantages: Callable[[AdvantageInput], F64] | None
+) -> BuildResult:
+    """Each policy's records from its own calls (``RecordsConfig.policies``), one after the other."""
+    out = BuildResult(records=[], reports=[], groups=len(groups))
+    for name in config.policies:
+        part = _build(groups, config, advantages, policy=name)
+        out.records += part.records
+        out.reports += part.reports
+        out.zero_variance_groups += part.zero_variance_groups
+        out.dropped_groups += part.dropped_groups
+        out.single_groups += part.single_groups
+    return out
+
+
+def _build(
+    groups: Sequence[FinishedGroup],
+    config: RecordsConfig,
+    advantages: Callable[[AdvantageInput], F64] | None,
+    policy: str | None = None,
+) -> BuildResult:
     adv_cfg = config.advantage
     get_estimator(adv_cfg.estimator)  # fail early on an unknown name
     reports: list[RolloutReport] = []
@@ -225,14 +257,17 @@ def build_records(
     for gpos, fg in enumerate(groups):
         group_attempts: list[_Attempt] = []
         for detail in fg.rollouts:
-            rep = RolloutReport(detail.rollout.rollout_id, fg.group.group_id, detail.rollout.status.value)
+            rep = RolloutReport(
+                detail.rollout.rollout_id, fg.group.group_id, detail.rollout.status.value, policy=policy
+            )
             reports.append(rep)
             att, note = _pick_attempt(detail, adv_cfg.failed_fill)
             if att is None:
                 rep.note = note
                 continue
             rep.attempt_id = att.attempt.attempt_id
-            merged = merge_attempt(att.calls, config.merge)
+            calls = att.calls if policy is None else [c for c in att.calls if c.model == policy]
+            merged = merge_attempt(calls, config.merge)
             rep.stats = merged.stats
             if att.attempt.status is AttemptStatus.SUCCEEDED:
                 final = sum(r.value for r in att.rewards if r.call_id is None)
@@ -304,7 +339,7 @@ def build_records(
             for s in seg.spans:
                 values[s.start : s.end] = whole if whole is not None else by_call[s.call_id]
             weight = seg.n_trained / total_trained if total_trained else 0.0
-            records.append(Record(seg, a.report.group_id, a.reward, values, weight))
+            records.append(Record(seg, a.report.group_id, a.reward, values, weight, policy))
             a.report.tokens += len(seg)
             a.report.tokens_trained += seg.n_trained
             if seg.split_reason is not None:

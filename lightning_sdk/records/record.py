@@ -112,6 +112,7 @@ class Record:
     reward: float
     advantages: FloatArray
     weight: float = 1.0
+    policy: str | None = None  # several policies in one run: the policy whose calls made it (trains its adapter)
 
     def __post_init__(self) -> None:
         if self.advantages.ndim != 1 or self.advantages.shape[0] != len(self.segment):

@@ -19,6 +19,7 @@ from lightning_sdk.types import (
     TERMINAL_ROLLOUT,
     Attempt,
     AttemptStatus,
+    Call,
     Group,
     Rollout,
     RolloutStatus,
@@ -47,6 +48,7 @@ __all__ = [
     "new_rollouts",
     "new_token",
     "open_session_objects",
+    "split_resent",
     "start_attempt",
     "validate_enqueue",
 ]
@@ -252,3 +254,15 @@ def decode_cursor(cursor: str | None) -> int:
         return int(number)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ConfigError(f"invalid cursor {cursor!r}") from exc
+
+
+def split_resent(calls: list[Call]) -> tuple[list[Call], list[Call]]:
+    """A batch of calls as (new calls, re-sent calls). A call with an ``idempotency_key`` may be a re-sent one: its
+    id is derived from its attempt and key (``proxy._call.resent_call_id``), so an id already stored is the same
+    logical call made again (the agent never got the first answer) and the store replaces that record with it,
+    keeping the stored ``seq`` (the call's place in its attempt); one record per (attempt, key), the last one made
+    (the answer the agent used). Any other call keeps the first record of its id (a batch committed twice)."""
+    plain = [c for c in calls if c.idempotency_key is None]
+    if len(plain) == len(calls):
+        return calls, []
+    return plain, [c for c in calls if c.idempotency_key is not None]

@@ -383,10 +383,18 @@ _INSERT_CALL = (
     "INSERT INTO calls (call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body) "
     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (call_id) DO NOTHING"
 )
+_REPLACE_CALL = _INSERT_CALL.replace(
+    "DO NOTHING",
+    "DO UPDATE SET started_at = EXCLUDED.started_at, prompt_ids = EXCLUDED.prompt_ids, "
+    "completion_ids = EXCLUDED.completion_ids, logprobs = EXCLUDED.logprobs, body = EXCLUDED.body",
+)
+"""A re-sent call (``Call.idempotency_key``) replaces the stored call of its id, keeping the stored ``seq`` (in the
+statement: a re-sent call racing the first on another proxy waits for its row and keeps its number)."""
 
 
 async def record_calls(cur: Cur, calls: list[Call], running_only: bool = False) -> None:
-    """Insert the calls (a call id already stored is left as it is). With ``running_only`` every attempt must still
+    """Insert the calls (a call id already stored is left as it is, unless the call was re-sent:
+    ``lc.split_resent``). With ``running_only`` every attempt must still
     be running (``AttemptNotRunningError`` otherwise, and nothing of the batch is recorded); the attempts' rows are
     share-locked so a concurrent finish waits for this batch (module docstring)."""
     statuses = await _owners(
@@ -396,7 +404,11 @@ async def record_calls(cur: Cur, calls: list[Call], running_only: bool = False) 
         for attempt_id, status in sorted(statuses.items()):
             if status != AttemptStatus.RUNNING.value:
                 raise AttemptNotRunningError(f"attempt {attempt_id} is {status!r}: no call is recorded after it ended")
-    await cur.executemany(_INSERT_CALL, [call_to_row(c) for c in calls])
+    plain, resent = lc.split_resent(calls)
+    if plain:
+        await cur.executemany(_INSERT_CALL, [call_to_row(c) for c in plain])
+    if resent:
+        await cur.executemany(_REPLACE_CALL, [call_to_row(c) for c in resent])
 
 
 async def reserve_seq(cur: Cur, attempt_id: str, n: int) -> int:
@@ -435,7 +447,7 @@ async def _details(cur: Cur, rollouts: list[Rollout]) -> list[RolloutDetail]:
     rewards: dict[str, list[Reward]] = {}
     if attempt_ids:
         await cur.execute(
-            "SELECT attempt_id, prompt_ids, completion_ids, logprobs, body FROM calls "
+            "SELECT attempt_id, prompt_ids, completion_ids, logprobs, body, seq FROM calls "
             "WHERE attempt_id = ANY(%s) ORDER BY attempt_id, seq, started_at",
             (attempt_ids,),
         )

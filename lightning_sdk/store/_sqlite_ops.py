@@ -248,24 +248,31 @@ def _check_owners(conn: Conn, pairs: set[tuple[str, str]], what: str) -> None:
         lc.check_owner(what, attempt_id, rollout_id, owners.get(attempt_id))
 
 
-_INSERT_CALLS = (
-    "INSERT OR IGNORE INTO calls (call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, "
-    "logprobs, body) VALUES "
+_CALL_ROWS = (
+    "calls (call_id, attempt_id, rollout_id, seq, started_at, prompt_ids, completion_ids, logprobs, body) VALUES "
 )
+_REPLACE = (
+    " ON CONFLICT (call_id) DO UPDATE SET started_at = excluded.started_at, prompt_ids = excluded.prompt_ids, "
+    "completion_ids = excluded.completion_ids, logprobs = excluded.logprobs, body = excluded.body"
+)
+"""A re-sent call (``Call.idempotency_key``) replaces the stored call of its id, keeping the stored ``seq``."""
 _CALLS_PER_INSERT = 100  # 9 parameters a row: 900, under SQLite's oldest limit of 999
 
 
 def record_calls(conn: Conn, calls: list[Call]) -> None:
-    """Insert the calls (a call id already stored is left as it is), up to ``_CALLS_PER_INSERT`` rows per
-    statement: the sqlite3 module releases the GIL around every ``sqlite3_step`` and ``executemany`` steps once
-    per row, so the writer thread and the proxy's event loop, running at once on two cores, handed the GIL to each
-    other once per recorded call; a multi-row ``INSERT`` steps once per statement."""
+    """Insert the calls (a call id already stored is left as it is, unless the call was re-sent:
+    ``lc.split_resent``), up to ``_CALLS_PER_INSERT`` rows per statement: the sqlite3 module releases the GIL around
+    every ``sqlite3_step`` and ``executemany`` steps once per row, so the writer thread and the proxy's event loop,
+    running at once on two cores, handed the GIL to each other once per recorded call; a multi-row ``INSERT`` steps
+    once per statement."""
     _check_owners(conn, {(c.attempt_id, c.rollout_id) for c in calls}, "record_calls")
-    rows = [call_to_row(c) for c in calls]
-    for i in range(0, len(rows), _CALLS_PER_INSERT):
-        chunk = rows[i : i + _CALLS_PER_INSERT]
-        values = ",".join(["(?,?,?,?,?,?,?,?,?)"] * len(chunk))
-        conn.execute(_INSERT_CALLS + values, list(itertools.chain.from_iterable(chunk)))
+    plain, resent = lc.split_resent(calls)
+    for batch, verb, upsert in ((plain, "INSERT OR IGNORE INTO ", ""), (resent, "INSERT INTO ", _REPLACE)):
+        rows = [call_to_row(c) for c in batch]
+        for i in range(0, len(rows), _CALLS_PER_INSERT):
+            chunk = rows[i : i + _CALLS_PER_INSERT]
+            values = ",".join(["(?,?,?,?,?,?,?,?,?)"] * len(chunk))
+            conn.execute(verb + _CALL_ROWS + values + upsert, list(itertools.chain.from_iterable(chunk)))
 
 
 def record_rewards(conn: Conn, rewards: list[Reward]) -> None:
@@ -291,7 +298,7 @@ def _details(conn: Conn, rollouts: list[Rollout]) -> list[RolloutDetail]:
     rewards: dict[str, list[Reward]] = {}
     for chunk in _chunks(attempt_ids):
         cur = conn.execute(
-            f"SELECT attempt_id, prompt_ids, completion_ids, logprobs, body FROM calls "
+            f"SELECT attempt_id, prompt_ids, completion_ids, logprobs, body, seq FROM calls "
             f"WHERE attempt_id IN ({_marks(chunk)}) ORDER BY attempt_id, seq, started_at",
             chunk,
         )

@@ -248,8 +248,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def call_from_row(row: tuple[Any, ...]) -> Call:
-    """From (prompt_ids, completion_ids, logprobs, body)."""
+    """From (prompt_ids, completion_ids, logprobs, body[, seq]): the ``seq`` column wins over the body's (a re-sent
+    call's row keeps the first's number: ``lc.split_resent``)."""
     data = loads(row[3])
+    if len(row) > 4:
+        data["seq"] = row[4]
     data["prompt_ids"] = _unpack("i", row[0]).tolist()
     data["completion_ids"] = _unpack("i", row[1]).tolist()
     data["logprobs"] = _unpack("d", row[2]).tolist()

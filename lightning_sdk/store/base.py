@@ -80,7 +80,8 @@ class Store(Protocol):
         ...
 
     async def record_calls(self, calls: list[Call]) -> None:
-        """Commit calls (idempotent on call_id)."""
+        """Commit calls (idempotent on call_id). A call with an ``idempotency_key`` whose id is stored was re-sent by
+        the agent: it replaces the stored record, keeping the stored ``seq`` (``_lifecycle.split_resent``)."""
         ...
 
     async def record_rewards(self, rewards: list[Reward]) -> None:

@@ -212,10 +212,19 @@ class MemoryStore:
         with self._lock:
             for call in calls:  # validate the whole batch before changing anything
                 lc.check_owner("record_calls", call.attempt_id, call.rollout_id, self._owner(call.attempt_id))
-            for call in calls:
+            plain, resent = lc.split_resent(calls)
+            for call in plain:
                 if call.call_id not in self._calls:
                     self._calls[call.call_id] = _copy_call(call)
                     self._attempt_calls.setdefault(call.attempt_id, []).append(call.call_id)
+            for call in resent:  # replaces the stored call of its id, keeping its seq
+                stored = self._calls.get(call.call_id)
+                copy = _copy_call(call)
+                if stored is None:
+                    self._attempt_calls.setdefault(call.attempt_id, []).append(call.call_id)
+                else:
+                    copy.seq = stored.seq
+                self._calls[call.call_id] = copy
 
     async def record_rewards(self, rewards: list[Reward]) -> None:
         with self._lock:

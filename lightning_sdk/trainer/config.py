@@ -27,7 +27,7 @@ from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.policy.warm_start import WarmStartConfig
 from lightning_sdk.telemetry.config import TelemetryConfig
 from lightning_sdk.tokens import BUILTIN_TEMPLATES
-from lightning_sdk.trainer.learner import LearnerConfig
+from lightning_sdk.trainer.learner import LearnerConfig, LoraSettings
 from lightning_sdk.trainer.verl.config import VerlConfig
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "EngineConfig",
     "EvalConfig",
     "PolicyConfig",
+    "PolicySettings",
     "RLConfig",
     "StoreConfig",
     "TrainConfig",
@@ -240,6 +241,13 @@ class StoreConfig(_Section):
         return self.url or str(run_dir / "store.db")
 
 
+class PolicySettings(_Section):
+    """``[policies.NAME]``: one policy of a multi-policy run, a LoRA adapter over the one base model ``[policy]``
+    names; requests choose it by ``model = "NAME"`` (app/policies.py, docs/training.md)."""
+
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="the policy's LoRA adapter over the base")
+
+
 class TrainConfig(_Section):
     """The whole job: each section is its component's own config (``[learner]`` is ``LearnerConfig``,
     ``[warm_start]`` extends ``WarmStartConfig``, ``[verl]`` extends ``VerlConfig``), so every knob of every
@@ -257,6 +265,11 @@ class TrainConfig(_Section):
     backend: Backend = Field("embedded", description="embedded (torch, in process) or verl (FSDP ranks)")
     verl: VerlSettings | None = Field(None, description="backend verl only")
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    policies: dict[str, PolicySettings] = Field(
+        default_factory=dict,
+        description="several policies in one run ([policies.NAME] lora = {...}): each a LoRA adapter over the base, "
+        "chosen by the request's model name, trained on its own calls; empty: one policy",
+    )
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
@@ -272,6 +285,8 @@ class TrainConfig(_Section):
                 "cluster.ray places embedded engines as Ray actors; with engine.kind "
                 f"{self.engine.kind!r} the servers are given by engine.urls or engine.launch: leave cluster.ray out"
             )
+        if self.policies:
+            self._check_policies()
         if self.cluster.ray and self.cluster.learner and self.backend == "embedded" and self.learner.lora is not None:
             raise ValueError(
                 "cluster.learner (the learner as a Ray actor) with learner.lora: not supported yet; "
@@ -287,6 +302,24 @@ class TrainConfig(_Section):
                     f"{section}.temperature must equal rl.temperature (the sampling temperature); leave it out"
                 )
         return self
+
+    def _check_policies(self) -> None:
+        """What a multi-policy run needs: the embedded learner and engine in one process, each policy's own LoRA,
+        and no warm start (it would train the shared base)."""
+        needs = {
+            "backend = 'embedded'": self.backend == "embedded",
+            "engine.kind = 'embedded'": self.engine.kind == "embedded",
+            "no cluster.ray": not self.cluster.ray,
+            "no learner.lora (each [policies.NAME] sets its own lora)": self.learner.lora is None,
+            "learner.kl_coef = 0": self.learner.kl_coef == 0,
+            "warm_start.enabled = false (the warm start would train the shared base)": not self.warm_start.enabled,
+        }
+        missing = [k for k, ok in needs.items() if not ok]
+        if missing:
+            raise ValueError(f"[policies] (several policies in one run) needs {', '.join(missing)}")
+        bad = [n for n in self.policies if not n or n != n.strip() or "/" in n or n == "__base__"]
+        if bad:
+            raise ValueError(f"[policies]: invalid policy names {bad} (a request's model name: no '/', no spaces)")
 
     @model_validator(mode="after")
     def _settle(self) -> TrainConfig:

@@ -274,6 +274,15 @@ class Learner:
             return merged_lora_state(self.model)
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """With LoRA: a detached copy of the adapter's own weights (PEFT's ``get_peft_model_state_dict``: what an
+        engine serving the adapter unmerged loads, ``EmbeddedEngine.add_adapter``)."""
+        if self.config.lora is None:
+            raise TrainerError("adapter_weights: the learner trains every weight (no learner.lora)")
+        from peft import get_peft_model_state_dict
+
+        return {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+
     def step(self, records: Sequence[Record]) -> dict[str, float]:
         """One training step on ``records``: the padded batch (``train_batch``), then ``update``."""
         return self.update(train_batch(records, pad_id=self.pad_id))
@@ -499,21 +508,27 @@ def wrap_lora(model: PreTrainedModel, settings: LoraSettings) -> Any:
     """``model`` with LoRA adapters on ``settings.target_modules`` (PEFT's ``get_peft_model``: the base weights are
     frozen, only the adapters train). PEFT injects the adapters into ``model``'s own modules."""
     try:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
     except ImportError as exc:
         raise TrainerError("learner.lora needs the PyPI package peft (in the train extra): pip install peft") from exc
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in settings.target_modules if m not in names]
     if missing:
         raise TrainerError(f"learner.lora.target_modules {missing}: no such modules in the model")
-    config = LoraConfig(
+    return get_peft_model(model, lora_config(settings))
+
+
+def lora_config(settings: LoraSettings) -> Any:
+    """PEFT's ``LoraConfig`` of ``settings`` (the learner's and the engine's adapter are built from the same one)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,  # type: ignore[arg-type]  # PEFT types it int; a float scale is fine
         target_modules=list(settings.target_modules),
         lora_dropout=settings.dropout,
         bias="none",
     )
-    return get_peft_model(model, config)
 
 
 def merged_lora_state(peft_model: Any) -> dict[str, torch.Tensor]:

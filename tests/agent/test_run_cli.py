@@ -138,3 +138,40 @@ def _running(st: Any, proc: subprocess.Popen[str]) -> int:
     """Attempts running in the store (the CLI must still be up meanwhile)."""
     assert proc.poll() is None, proc.communicate()
     return int(st.server.call(st.store.counts()).get("running", 0))
+
+
+FALLBACK_AGENT = """
+import lightning_sdk.agent as la
+
+@la.rollout
+def agent(task, llm):
+    client = llm.openai_client()
+    client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    return 1.0 if llm.fallback_urls == ("http://127.0.0.1:9/v1", "http://10.0.0.2:4701/v1") else 0.0
+"""
+
+
+def test_fallback_servers_reach_every_agents_llm(tmp_path: Path) -> None:
+    """``--fallback-server`` (repeatable, a root or a ``/v1`` URL) becomes each attempt's ``LLM.fallback_urls``;
+    a value that is not an http(s) URL is refused with exit 2. (The fail-over itself, across two real proxies on
+    one PostgreSQL store: tests/proxy/test_many_proxies.py.)"""
+    (tmp_path / "fb_agent.py").write_text(FALLBACK_AGENT)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"q": f"q{i}"}) for i in range(3)) + "\n")
+    summary_file = tmp_path / "summary.json"
+    with threaded_proxy_stack(tmp_path) as st:
+        proc = subprocess.run(
+            [*CLI, "run", f"{tmp_path / 'fb_agent.py'}:agent", "--server", st.url, "--workers", "2",
+             "--tasks", str(tasks), "--admin-key", ADMIN_KEY, "--summary", str(summary_file),
+             "--fallback-server", "http://127.0.0.1:9/", "--fallback-server", "http://10.0.0.2:4701/v1"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(summary_file.read_text())
+        assert (summary["n"], summary["succeeded"], summary["mean_reward"]) == (3, 3, 1.0)
+        bad = subprocess.run(
+            [*CLI, "run", f"{tmp_path / 'fb_agent.py'}:agent", "--server", st.url, "--admin-key", ADMIN_KEY,
+             "--fallback-server", "proxy2:4701"],
+            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert bad.returncode == 2 and "'proxy2:4701' is not an http(s) URL" in bad.stderr

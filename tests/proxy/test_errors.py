@@ -244,8 +244,11 @@ def test_policy_model_names_and_upstream_rename(upstream: RunningServer, mock: M
         assert err["code"] == "model_not_found" and err["param"] == "model"
         assert _post(px, s["token"], CHAT).status_code == 200
         assert mock.requests[-1]["model"] == "served/model"  # what the engine serves
-        [call] = px.calls(s["rollout_id"])
+        refused, call = px.calls(s["rollout_id"])
         assert call["model"] == "policy"  # what the agent asked for
+        # the refused name is recorded too, as a failed call (never trained) that says why
+        assert refused["model"] == "gpt-unknown" and "not served here" in refused["error"]
+        assert refused["completion_ids"] == [] and refused["is_policy"]
         assert [m["id"] for m in px.http.get("/v1/models").json()["data"]] == ["policy"]
 
 

@@ -62,6 +62,7 @@ def _fields(answer: dict[str, Any]) -> dict[str, Any]:
         "finish_reason": tok.finish_reason,
         "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
         "checks": {},
+        "idempotency_key": "key-1",
     }
 
 

@@ -227,3 +227,45 @@ def test_groups_of_one_rollout_are_counted_kept_for_export_or_dropped_for_traini
     assert {r.group_id for r in dropped.records} == {"p"} and dropped.dropped_groups == 1
     note = next(rep.note for rep in dropped.reports if rep.group_id == "s")
     assert note is not None and "group of one" in note
+
+
+def _two_roles(gid: str, i: int, reward: float, *, coder: bool = True) -> RolloutDetail:
+    """A planner call, then (``coder``) a coder call whose prompt extends the planner's prompt and reply."""
+    rid, aid = f"{gid}-r{i}", f"{gid}-r{i}-a0"
+    a = Attempt(aid, rid)
+    plan = a.call([1, 2, 3, 10 + i], [50, 60 + i])
+    a.calls[-1] = plan.model_copy(update={"model": "planner"})
+    if coder:
+        code = a.call([*full(plan), 70], [80 + i, 81, 82])
+        a.calls[-1] = code.model_copy(update={"model": "coder"})
+    att = AttemptRow(attempt_id=aid, rollout_id=rid, index=0, token=f"tok-{aid}", status=AttemptStatus.SUCCEEDED)
+    ro = Rollout(rollout_id=rid, group_id=gid, task={"q": gid}, status=RolloutStatus.SUCCEEDED)
+    rewards = [Reward(rollout_id=rid, attempt_id=aid, value=reward)]
+    return RolloutDetail(rollout=ro, attempts=[AttemptDetail(attempt=att, calls=a.calls, rewards=rewards)])
+
+
+def test_several_policies_get_their_own_records_and_advantages_from_the_same_reward() -> None:
+    """Each policy's records come from its own calls only (a coder call that extends the planner's is not merged
+    into the planner's segment), and its advantages are the estimator over the rollouts that called it, from the
+    rollouts' one reward; a rollout that never called the coder is no part of the coder's group."""
+    g = _group("g", [_two_roles("g", 0, 1.0), _two_roles("g", 1, 0.0), _two_roles("g", 2, 0.5, coder=False)])
+    one = build_records([g])  # one policy: each rollout's two calls merge into one segment
+    assert [len(r.segment.spans) for r in one.records] == [2, 2, 1] and {r.policy for r in one.records} == {None}
+    res = build_records([g], RecordsConfig(policies=("planner", "coder")))
+    planner = [r for r in res.records if r.policy == "planner"]
+    coder = [r for r in res.records if r.policy == "coder"]
+    assert len(planner) + len(coder) == len(res.records)
+    assert [r.rollout_id for r in planner] == ["g-r0", "g-r1", "g-r2"] and [r.rollout_id for r in coder] == [
+        "g-r0",
+        "g-r1",
+    ]
+    calls = {c.call_id: c for ro in g.rollouts for c in ro.attempts[0].calls}
+    for r in res.records:
+        assert [calls[s.call_id].model for s in r.segment.spans] == [r.policy]
+    trained = [int(r.segment.input_ids[np.flatnonzero(r.segment.loss_mask)][0]) for r in coder]
+    assert trained == [80, 81]  # the coder's rows train the coder's tokens, the planner's reply is prompt there
+    grpo = [float(a) for a in compute_advantages(AdvantageInput.of([1.0, 0.0, 0.5], [0, 0, 0]), AdvantageConfig())]
+    assert [r.scalar_advantage() for r in planner] == pytest.approx(grpo)
+    pair = [float(a) for a in compute_advantages(AdvantageInput.of([1.0, 0.0], [0, 0]), AdvantageConfig())]
+    assert [r.scalar_advantage() for r in coder] == pytest.approx(pair)
+    assert {(rep.policy, rep.rollout_id): rep.trained for rep in res.reports}[("coder", "g-r2")] is False

@@ -544,6 +544,41 @@ async def test_a_batch_of_calls_keeps_the_first_of_each_id(store: Store) -> None
     assert all(c == call(c.seq) for c in calls[1:])
 
 
+async def test_a_re_sent_call_replaces_the_first_and_keeps_its_seq(store: Store) -> None:
+    """A call with an ``idempotency_key`` whose id is stored is the same logical call made again (the agent never
+    got the first answer): its record replaces the first (content, ids, log-probs) and keeps the first's ``seq``,
+    across batches and inside one batch; one record per id. A plain call of a stored id still keeps the first; the
+    attempt's other calls are untouched and the order by ``seq`` holds."""
+    claim = await store.open_session({"q": 1})
+    aid, rid = claim.attempt.attempt_id, claim.rollout.rollout_id
+
+    def call(call_id: str, seq: int, tag: int, key: str | None = "k") -> Call:
+        return Call(
+            call_id=call_id,
+            attempt_id=aid,
+            rollout_id=rid,
+            seq=seq,
+            model=f"m{tag}",
+            prompt_ids=[tag, 1, 2],
+            completion_ids=[tag * 10, 2**31 - 1],
+            logprobs=[-0.5 / tag, -0.25],
+            response={"tag": tag},
+            started_at=1000.0 + tag,
+            idempotency_key=key,
+        )
+
+    await store.record_calls([call("a", 0, 1), call("b", 1, 2, key=None), call("c", 2, 3)])
+    await store.record_calls([call("a", 5, 4)])  # "a" re-sent: numbered 5 by the proxy that served it again
+    await store.record_calls([call("c", 6, 5), call("c", 7, 6), call("d", 3, 7)])  # re-sent twice in one batch
+    await store.record_calls([call("b", 8, 8, key=None)])  # a plain call again: the first stays
+    calls = (await store.get_rollout(rid)).attempts[0].calls
+    assert [(c.call_id, c.seq, c.model) for c in calls] == [("a", 0, "m4"), ("b", 1, "m2"), ("c", 2, "m6"),
+                                                            ("d", 3, "m7")]  # fmt: skip
+    assert calls[0] == call("a", 0, 4) and calls[2] == call("c", 2, 6)
+    assert calls[0].prompt_ids == [4, 1, 2] and calls[0].logprobs == [-0.125, -0.25]
+    assert calls[0].idempotency_key == "k" and calls[1].idempotency_key is None
+
+
 # -- durable stores (SQLite, PostgreSQL): a reopen keeps everything ------------------------------------------------
 async def test_reopen_keeps_everything(durable: Durable) -> None:
     store = durable.open()

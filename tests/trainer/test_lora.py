@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,8 +19,15 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from lightning_sdk.engines.base import Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.engines.serving import ServedEngine
-from lightning_sdk.errors import TrainerError
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, LoraSettings, TrainBatch, token_logprobs
+from lightning_sdk.errors import EngineError, TrainerError
+from lightning_sdk.trainer.learner import (
+    Learner,
+    LearnerConfig,
+    LoraSettings,
+    TrainBatch,
+    lora_config,
+    token_logprobs,
+)
 
 
 def _model() -> Qwen3ForCausalLM:
@@ -102,6 +110,90 @@ def test_the_embedded_engine_serves_the_published_adapter() -> None:
 def test_unknown_target_modules_are_refused() -> None:
     with pytest.raises(TrainerError, match=r"target_modules \['nope'\]"):
         Learner(_model(), LearnerConfig(lora=LoraSettings(target_modules=["nope"])))
+
+
+def _word_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    )
+    tok.eos_token, tok.pad_token = "t1", "t0"
+    return tok
+
+
+def test_the_embedded_engine_serves_several_adapters_unmerged_over_one_base() -> None:
+    """Two policies (planner, coder), each a LoRA learner over its own copy of one base, trained on different
+    batches; the engine serves both adapters unmerged over one shared base. Requests of the base and of both
+    adapters run in one mixed batch; each answer's log-probs equal its own learner's (1e-4), each carries its
+    adapter's published version, and the same prompt asked of the other adapter right after does not reuse the
+    first one's cached KV (prefix cache kept per adapter)."""
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    engine = EmbeddedEngine(_model(), _word_tokenizer())
+    learners = {name: Learner(_model(), LearnerConfig(lr=5e-2, lora=lora)) for name in ("planner", "coder")}
+    learners["planner"].update(_batch())
+    flipped = _batch()
+    flipped.advantages = -flipped.advantages
+    for _ in range(2):
+        learners["coder"].update(flipped)
+    adapters = {name: engine.add_adapter(name, lora_config(lora)) for name in learners}
+    base_ref = _model()
+    prompt = [5, 6, 7, 8, 9]
+    sampling = Sampling(max_tokens=6, temperature=1.0, seed=3)
+
+    async def run() -> dict[str, Any]:
+        try:
+            await adapters["planner"].update_weights(learners["planner"].adapter_weights(), version=3)
+            await adapters["coder"].update_weights(learners["coder"].adapter_weights(), version=7)
+            mixed = await asyncio.gather(
+                engine.generate(prompt, sampling),
+                adapters["planner"].generate(prompt, sampling),
+                adapters["coder"].generate(prompt, sampling),
+            )
+            again = await adapters["coder"].generate([*prompt, 10], sampling)  # the same head, after all three
+            return {"base": mixed[0], "planner": mixed[1], "coder": mixed[2], "again": again}
+        finally:
+            await engine.close()
+
+    got = asyncio.run(run())
+    assert engine.stats["max_batch"] == 3  # the three ran as one batch
+    refs = {"base": base_ref, "planner": learners["planner"].model, "coder": learners["coder"].model}
+    for key, model in (*refs.items(), ("again", learners["coder"].model)):
+        gen = got[key]
+        head = [*prompt, 10] if key == "again" else prompt
+        full = torch.tensor([[*head, *gen.completion_ids]])
+        with torch.no_grad():
+            ours, _ = token_logprobs(model, full, torch.ones_like(full), 1.0)
+        assert torch.allclose(ours[0, len(head) - 1 :], torch.tensor(gen.logprobs), atol=1e-4), key
+    assert [got[k].policy_version for k in ("base", "planner", "coder", "again")] == [0, 3, 7, 7]
+    assert engine.adapters == {"planner": 3, "coder": 7}
+    # the two adapters differ from each other and from the base (otherwise the checks above prove nothing)
+    full = torch.tensor([prompt])
+    with torch.no_grad():
+        outs = [token_logprobs(m, full, torch.ones_like(full), 1.0)[0] for m in refs.values()]
+    assert not torch.allclose(outs[0], outs[1], atol=1e-3) and not torch.allclose(outs[1], outs[2], atol=1e-3)
+
+
+def test_adapter_weights_that_do_not_fit_are_refused() -> None:
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj"])
+    engine = EmbeddedEngine(_model(), _word_tokenizer())
+    planner = engine.add_adapter("planner", lora_config(lora))
+    other = Learner(_model(), LearnerConfig(lora=LoraSettings(rank=4, alpha=8, target_modules=["v_proj"])))
+
+    async def run() -> None:
+        try:
+            with pytest.raises(EngineError, match="adapter 'planner' do not fit"):
+                await planner.update_weights(other.adapter_weights(), version=1)
+            with pytest.raises(EngineError, match="publish each adapter"):
+                await engine.update_weights(_model().state_dict(), version=1)
+            with pytest.raises(EngineError, match="no adapter 'coder'"):
+                engine.adapter("coder")
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    assert planner.policy_version == 0
 
 
 def test_with_vllm_each_publication_is_the_adapter_alone(tmp_path: Path) -> None:
