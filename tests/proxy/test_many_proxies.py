@@ -33,7 +33,7 @@ from lightning_sdk.types import AttemptStatus, RolloutDetail
 from tests.support.mock_openai import MockOpenAI
 from tests.support.postgres import PostgresServer
 from tests.support.servers import free_port, run_server
-from tests.support.waiting import answers, until
+from tests.support.waiting import answers, until, until_async
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "many-proxies-key"
@@ -246,14 +246,14 @@ def test_a_call_committed_by_a_proxy_killed_before_it_answered_is_recorded_once(
 
                 async def run() -> None:
                     task = asyncio.create_task(agent())
-                    loop = asyncio.get_running_loop()
                     _standby(admin, "nobody")
 
                     async def until_waiting(reserving: bool, waiting: bool = True) -> None:
-                        deadline = loop.time() + 60
-                        while _backend_waiting(admin, db, reserving=reserving) != waiting:
-                            assert loop.time() < deadline and not task.done(), f"standby wait never {waiting}"
-                            await asyncio.sleep(0.01)
+                        def seen() -> bool:
+                            assert not task.done(), f"standby wait never {waiting}"
+                            return _backend_waiting(admin, db, reserving=reserving) == waiting
+
+                        await until_async(seen, timeout=60, what=f"the standby wait {waiting}", every=0.01)
 
                     await until_waiting(True)  # A's reserve_seq: let it through, then hold A's commit
                     _standby(admin, "")
