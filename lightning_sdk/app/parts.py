@@ -29,7 +29,7 @@ from lightning_sdk.engines.serving import (
     disk_checkpoints,
     open_engine,
 )
-from lightning_sdk.errors import ConfigError, TokenizationError
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig, PolicySettings, VerlSettings
@@ -92,7 +92,7 @@ def build_parts(
     embedded engines as Ray actors: ``lightning_sdk/cluster``), the learner of the learner section handed over
     (``[learner]``: the embedded ``Learner``; ``[verl]``: verl's ranks), and the chat template ``policy`` names.
     ``policies`` (``[policies]``): several policies, each a LoRA adapter over this one base (``app/policies.py``)."""
-    from lightning_sdk.policy.model import load_policy
+    from lightning_sdk.policy.model import load_policy, policy_renderer
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
@@ -193,21 +193,6 @@ def _ray_learner_parts(
         closers=[actor.close],
         renderer=renderer,
     )
-
-
-def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:
-    """The policy's chat template, probed and chosen (``ChatRenderer.for_policy``: ``policy.chat_template``, a path
-    made absolute when the config was loaded or a built-in name, the model's own, or its family's tool format), set
-    on ``tokenizer`` too: the warm start, the learner's checkpoints and the engines' copies then render with the
-    template the proxy renders with."""
-    from lightning_sdk.tokens import ChatRenderer
-
-    try:
-        renderer = ChatRenderer.for_policy(tokenizer, policy.chat_template, name=policy.model)
-    except TokenizationError as exc:
-        raise ConfigError(f"policy {policy.model!r}: {exc}") from exc
-    tokenizer.chat_template = renderer.chat_template
-    return renderer
 
 
 def _verl_parts(

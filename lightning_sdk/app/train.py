@@ -188,19 +188,12 @@ async def run_training(
         "stopped_short": (state.get("rl") or {}).get("stop", {}).get("message") if _short(state) else None,
         "resumed": job.resumed,
         "timeline": timeline,
-        "sandbox": _sandbox_summary(agent),
+        # what the agent's sandboxes were held to (None without)
+        "sandbox": agent.sandbox.summary() if isinstance(agent, CommandAgent) and agent.sandbox is not None else None,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     view.set_phase("done")
     return summary
-
-
-def _sandbox_summary(agent: object) -> dict[str, Any] | None:
-    """What the agent's sandboxes were held to (``isolation``: ``describe_enforcement``'s name), None without."""
-    if not isinstance(agent, CommandAgent) or agent.sandbox is None:
-        return None
-    backend = agent.sandbox.get_backend()
-    return {"backend": backend.name, **backend.describe()}
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:

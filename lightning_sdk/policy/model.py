@@ -15,6 +15,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -26,10 +27,14 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from lightning_sdk.errors import ConfigError
+from lightning_sdk.errors import ConfigError, TokenizationError
 from lightning_sdk.policy.tokenizer import build_tokenizer, save_tokenizer
 
-__all__ = ["TinyPolicyConfig", "build_policy", "load_policy"]
+if TYPE_CHECKING:
+    from lightning_sdk.policy.prepare import PolicyConfig
+    from lightning_sdk.tokens import ChatRenderer
+
+__all__ = ["TinyPolicyConfig", "build_policy", "load_policy", "policy_renderer"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +94,18 @@ def load_policy(model_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedToken
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     return model, tokenizer
+
+
+def policy_renderer(policy: PolicyConfig, tokenizer: PreTrainedTokenizerBase) -> ChatRenderer:
+    """The policy's chat template, probed and chosen (``ChatRenderer.for_policy``: ``policy.chat_template``, a path
+    made absolute when the config was loaded or a built-in name, the model's own, or its family's tool format), set
+    on ``tokenizer`` too: the warm start, the learner's checkpoints and the engines' copies then render with the
+    template the proxy renders with."""
+    from lightning_sdk.tokens import ChatRenderer
+
+    try:
+        renderer = ChatRenderer.for_policy(tokenizer, policy.chat_template, name=policy.model)
+    except TokenizationError as exc:
+        raise ConfigError(f"policy {policy.model!r}: {exc}") from exc
+    tokenizer.chat_template = renderer.chat_template
+    return renderer

@@ -93,3 +93,9 @@ class SandboxSpec:
 
     def get_backend(self, registry: BackendRegistry | None = None) -> SandboxBackend:
         return (registry or BACKENDS).get(self.backend, **dict(self.backend_options))
+
+    def summary(self) -> dict[str, Any]:
+        """What these sandboxes are held to, for the run's summary: the backend's name and its ``describe()``
+        (``describe_enforcement`` of its isolation)."""
+        backend = self.get_backend()
+        return {"backend": backend.name, **backend.describe()}

@@ -147,3 +147,39 @@ async def test_train_calc_with_vllm_engine_and_verl_backend(tmp_path: Path, poli
     calls = await _calls(out / "store.db")
     versions = [c.policy_version for _, c in calls]
     assert set(versions) == {0, 1}, versions  # step 2 trained on rollouts that vLLM sampled with step 1's weights
+
+
+async def test_train_calc_with_vllm_serving_the_lora_adapter(tmp_path: Path, policy_dir: Path) -> None:
+    """``[learner] lora`` with ``kind = "vllm"``: the launched server serves runtime-loaded adapters, every
+    publication is the PEFT adapter alone, loaded under a new name (``policy-v<N>``) as the next policy version, and
+    later calls carry it; two RL steps."""
+    config = write_config(
+        tmp_path / "train.toml",
+        str(policy_dir),
+        warm_start={"enabled": False},
+        rl={
+            "steps": 2,
+            "tasks_per_step": 2,
+            "samples_per_task": 2,
+            "workers": 4,
+            "max_tokens": 16,
+            "max_staleness": 0,
+            "drop_zero_variance": False,
+        },
+        eval={"enabled": False},
+        engine=ENGINE,
+        learner={"lr": 0.02},
+    )
+    lora = '[learner.lora]\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "v_proj"]\n'
+    config.write_text(config.read_text() + lora)
+    out = tmp_path / "run"
+    _train(config, out, timeout=900)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    published = sorted(p.name for p in (out / "weights").iterdir())
+    assert published and all(p.startswith("lora-v") for p in published), published
+    assert all((out / "weights" / p / "adapter_config.json").is_file() for p in published)
+    calls = await _calls(out / "store.db")
+    versions = [c.policy_version for _, c in calls]
+    assert set(versions) == {0, 1}, versions  # step 2 trained on rollouts vLLM sampled with step 1's adapter
+    assert all(len(c.logprobs) == len(c.completion_ids) for _, c in calls)

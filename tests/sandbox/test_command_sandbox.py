@@ -93,3 +93,13 @@ def test_config_section_and_backend_sharing(tmp_path: Path) -> None:
     backend = agent.sandbox.get_backend()
     assert backend.max_sandboxes == 3
     assert backend is get_backend("local", max_sandboxes=3, root=str(tmp_path / "b"))  # one cap per process
+
+
+def test_the_spec_summarises_what_its_sandboxes_are_held_to() -> None:
+    """The run's summary reads ``SandboxSpec.summary()``: the backend's name and what its isolation enforces."""
+    spec = SandboxSpec(files_field="repo")
+    backend = spec.get_backend()
+    summary = spec.summary()
+    assert summary["backend"] == backend.name == "local"
+    assert summary == {"backend": "local", **backend.describe()}
+    assert summary["isolation"] == backend.describe()["isolation"]
