@@ -4,12 +4,14 @@ connections (transparent reconnect), connection refused, a silent server (read t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from lightning_sdk.http1 import Http1ConnectError, Http1Pool, Http1ProtocolError, Http1ReadTimeout
 from tests.support.servers import free_port
+from tests.support.waiting import until_async
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -30,6 +32,7 @@ class RawServer:
         self.close_after = close_after
         self.delay = delay
         self.connections = 0
+        self.closed = 0  # connections this server has closed
         self.requests = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -49,6 +52,9 @@ class RawServer:
                     return
         finally:
             writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            self.closed += 1
 
 
 async def _serve(server: RawServer) -> AsyncIterator[str]:
@@ -88,7 +94,7 @@ async def test_reconnects_when_the_server_closed_the_idle_connection() -> None:
     async for url in _serve(server):
         pool = Http1Pool(url)
         assert await pool.request("GET", "/models", b"", {}) == (200, b'{"n": 1}')
-        await asyncio.sleep(0.05)  # the server has closed the kept-alive connection by now
+        await until_async(lambda: server.closed == 1, timeout=10, what="the server to close the connection")
         assert await pool.request("GET", "/models", b"", {}) == (200, b'{"n": 2}')
         assert server.connections == 2
         await pool.aclose()

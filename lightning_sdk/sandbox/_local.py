@@ -916,6 +916,7 @@ class LocalBackend:
         self._active: dict[str, LocalSandbox] = {}
         self._uncounted: dict[str, LocalSandbox] = {}  # verifier copies (``fresh``): they share their parent's slot
         self._reserved = 0
+        self.waiting = 0  # creations waiting for a slot under the cap now
         self._owner_start = _start_time(os.getpid())
         _probe()
         if self.isolation == ISOLATION_USER and _USER_ISOLATION is not None:
@@ -996,12 +997,17 @@ class LocalBackend:
 
     async def _create(self, files: Mapping[str, str], lim: SandboxLimits, counted: bool) -> LocalSandbox:
         deadline = time.monotonic() + self.create_timeout_s
-        while counted and not self._try_reserve():
-            if time.monotonic() >= deadline:
-                raise SandboxError(
-                    f"no sandbox slot free within {self.create_timeout_s} s ({self.max_sandboxes} in use)"
-                )
-            await asyncio.sleep(0.01)
+        if counted and not self._try_reserve():
+            self.waiting += 1
+            try:
+                while not self._try_reserve():
+                    if time.monotonic() >= deadline:
+                        raise SandboxError(
+                            f"no sandbox slot free within {self.create_timeout_s} s ({self.max_sandboxes} in use)"
+                        )
+                    await asyncio.sleep(0.01)
+            finally:
+                self.waiting -= 1
         sandbox_id = uuid.uuid4().hex[:16]
         directory = self.root / sandbox_id
         box = LocalSandbox(self, sandbox_id, directory, lim)

@@ -14,6 +14,7 @@ import pytest
 import lightning_sdk.agent as la
 from lightning_sdk.agent._context import AttemptContext
 from lightning_sdk.errors import ConfigError
+from tests.support.waiting import until
 
 LLM = la.LLM(base_url="http://127.0.0.1:9/v1", api_key="tok-abc", model="policy")
 PY = sys.executable
@@ -108,11 +109,7 @@ async def test_timeout_kills_the_whole_process_group(tmp_path: Path) -> None:
     elapsed = time.monotonic() - t0
     assert out.status == "timed_out" and "timed out after 1.5 s" in (out.error or "")
     grandchild = int(pidfile.read_text())
-    for _ in range(50):
-        if not _alive(grandchild):
-            break
-        time.sleep(0.05)
-    assert not _alive(grandchild)
+    until(lambda: not _alive(grandchild), timeout=5, what="the grandchild to die")
     print(f"timeout to kill: {elapsed:.2f} s")
 
 

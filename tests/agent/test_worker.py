@@ -139,28 +139,37 @@ async def test_heartbeats_keep_a_short_lease_alive(tmp_path: Path) -> None:
 
 async def _running_attempt(store: Store) -> str:
     """The id of the first attempt that runs (waits for a worker to claim it)."""
-    while True:
+    running: list[str] = []
+
+    async def claimed() -> bool:
         page, _ = await store.list_rollouts(status=RolloutStatus.RUNNING)
         if page:
-            return (await store.get_rollout(page[0].rollout_id)).attempts[0].attempt.attempt_id
-        await asyncio.sleep(0.005)
+            running.append((await store.get_rollout(page[0].rollout_id)).attempts[0].attempt.attempt_id)
+        return bool(page)
+
+    await until_async(claimed, what="a worker to claim an attempt")
+    return running[0]
 
 
 async def _extended(store: Store, attempt_id: str, until: float) -> None:
     """Wait until a heartbeat extended the attempt's lease to ``until`` (store time)."""
-    while ((await store.get_attempt(attempt_id)).lease_expires_at or 0.0) < until - 1e-6:
-        await asyncio.sleep(0.005)
+
+    async def extended() -> bool:
+        return ((await store.get_attempt(attempt_id)).lease_expires_at or 0.0) >= until - 1e-6
+
+    await until_async(extended, what=f"a heartbeat to extend the lease to {until}")
 
 
 async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> None:
-    gate = threading.Event()
-    started = asyncio.Event()
+    """Every attempt in flight has entered the agent before the stop (a task cancelled before its first step never
+    reaches the agent: waiting for one of them only, a loaded machine saw 2 released instead of 3)."""
+    gate = asyncio.Event()
+    started: list[str] = []
 
     @la.rollout
     async def waits(task: dict[str, str], llm: la.LLM) -> float:
-        started.set()
-        while not gate.is_set():
-            await asyncio.sleep(0.02)
+        started.append(task["q"])
+        await gate.wait()
         return 1.0
 
     async with proxy_stack(tmp_path) as st:
@@ -168,9 +177,7 @@ async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> 
         # drain: two in flight finish after stop(), the other three stay queued
         pool = la.WorkerPool(waits, st.store, st.url, n_workers=2, split="s", poll_s=0.05)
         running = asyncio.create_task(pool.run_until())
-        while pool.stats.in_flight < 2:
-            await asyncio.sleep(0.01)
-        await started.wait()
+        await until_async(lambda: len(started) == 2 and pool.stats.in_flight == 2, what="two attempts in the agent")
         pool.stop()
         gate.set()
         results = await running
@@ -183,9 +190,7 @@ async def test_stop_drains_in_flight_then_release_hands_back(tmp_path: Path) -> 
         started.clear()
         pool2 = la.WorkerPool(waits, st.store, st.url, n_workers=3, split="s", poll_s=0.05)
         running = asyncio.create_task(pool2.run_until())
-        while pool2.stats.in_flight < 3:
-            await asyncio.sleep(0.01)
-        await started.wait()
+        await until_async(lambda: len(started) == 3, what="three attempts in the agent")
         pool2.stop(release=True)
         results = await running
         assert sorted(r.status for r in results) == ["released"] * 3
@@ -206,18 +211,11 @@ async def test_release_kills_a_running_command_agent(tmp_path: Path) -> None:
         await st.store.enqueue([{"q": "1"}], split="c")
         pool = la.WorkerPool(agent, st.store, st.url, n_workers=1, split="c", poll_s=0.05)
         running = asyncio.create_task(pool.run_until())
-        for _ in range(200):
-            if pidfile.exists() and pidfile.read_text():
-                break
-            await asyncio.sleep(0.05)
+        await until_async(lambda: pidfile.exists() and bool(pidfile.read_text()), what="the agent's process")
         pool.stop(release=True)
         results = await running
         await pool.close()
         assert [r.status for r in results] == ["released"]
         pid = int(pidfile.read_text())
-        for _ in range(40):
-            if not Path(f"/proc/{pid}").exists():
-                break
-            await asyncio.sleep(0.05)
-        assert not Path(f"/proc/{pid}").exists()
+        await until_async(lambda: not Path(f"/proc/{pid}").exists(), timeout=10, what="the agent's process to end")
         assert (await st.store.counts()).get("queued") == 1

@@ -15,12 +15,14 @@ trained attempt's calls whole and chained.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -30,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lightning_sdk.store import open_store, run_sync
 from lightning_sdk.types import AttemptStatus
 from tests.support.ray_cluster import RayCluster
+from tests.support.waiting import until
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
 pytestmark = [pytest.mark.ray_cluster, pytest.mark.timeout(500)]
@@ -39,12 +42,15 @@ STEPS = 4
 RUN_S = 420.0
 
 
-def _wait(what: str, ready: object, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():  # type: ignore[operator]
+def _wait(what: str, ready: Callable[[], object], proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    def held() -> bool:
         assert proc.poll() is None, f"the daemon exited while waiting for {what}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
+        return bool(ready())
+
+    try:
+        until(held, timeout=timeout, what=what, every=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
 
 
 def _stuck(proc: subprocess.Popen[bytes], cluster: RayCluster, log: Path, out: Path) -> str:
@@ -52,9 +58,8 @@ def _stuck(proc: subprocess.Popen[bytes], cluster: RayCluster, log: Path, out: P
     actors' stacks (py-spy); the Ray logs are kept in ``out/ray-logs``, all of it in ``out/stuck.txt``."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGUSR1)
-        deadline = time.monotonic() + 20
-        while "asyncio tasks ---" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        with contextlib.suppress(AssertionError):  # a daemon that cannot dump: what its log has is kept anyway
+            until(lambda: "asyncio tasks ---" in log.read_text(errors="replace"), timeout=20, every=0.2)
     tail = log.read_text(errors="replace")[-30000:]
     text = f"--- daemon log (tail) ---\n{tail}\n--- actors ---\n{cluster.diagnose()}"
     cluster.save_logs(out / "ray-logs")

@@ -12,6 +12,7 @@ from lightning_sdk.engines.base import Engine, Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.errors import EngineError
 from lightning_sdk.policy.model import load_policy
+from tests.support.waiting import until_async
 from tests.trainer.tiny import build_small_policy
 
 
@@ -152,8 +153,7 @@ async def test_in_flight_batch_finishes_on_old_weights(engine: EmbeddedEngine) -
     prompt = _prompt(engine, "Add 2 and 2.")
     long = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=40, temperature=1.0, seed=2)))
     tokens = engine.stats["tokens"]
-    while engine.stats["tokens"] == tokens:
-        await asyncio.sleep(0.0005)
+    await until_async(lambda: engine.stats["tokens"] != tokens, every=0.0005, what="the first token")
     in_flight = not long.done()
     state = {k: v.clone() for k, v in engine._model.state_dict().items()}
     await engine.update_weights(state, 3)
@@ -222,8 +222,7 @@ async def test_a_request_joins_the_running_batch(engine: EmbeddedEngine) -> None
     prompt = _prompt(engine, "What is 9 minus 4?")
     long = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=60, temperature=1.0, seed=1)))
     tokens = engine.stats["tokens"]
-    while engine.stats["tokens"] < tokens + 2:
-        await asyncio.sleep(0.0005)
+    await until_async(lambda: engine.stats["tokens"] >= tokens + 2, every=0.0005, what="two tokens")
     short = await engine.generate(_prompt(engine, "Add 1 and 2."), Sampling(max_tokens=2, temperature=1.0, seed=1))
     assert len(short.completion_ids) <= 2
     done_long = long.done()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from tests.support.waiting import until
 from tests.trainer.tiny import ROOT
 
 SCRIPT = """
@@ -39,10 +39,7 @@ def test_server_is_stopped_when_its_owner_exits_without_stopping_it(tmp_path: Pa
     )  # fmt: skip
     assert out.returncode == 3, out.stderr
     pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid)
+    until(lambda: not _alive(pid), timeout=10, what="the server to stop")
 
 
 def test_openmp_wait_policy_of_the_command_is_not_passed_to_engine_servers(tmp_path: Path) -> None:

@@ -41,6 +41,7 @@ from lightning_sdk.engines.launch import ManagedServer, free_port, launch_many, 
 from lightning_sdk.engines.sglang import SGLangEngine
 from lightning_sdk.errors import EngineError
 from tests.support.servers import serve_async
+from tests.support.waiting import until_async
 
 VOCAB = 500
 
@@ -69,6 +70,7 @@ class FakeSGLang:
         self.requests: list[dict[str, Any]] = []
         self.events: list[str] = []
         self.running = 0
+        self.sampled: list[int] = []  # tokens sampled so far, per request (the tests wait for calls to be under way)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -95,6 +97,8 @@ class FakeSGLang:
         lps: list[float] = []
         epoch = self.abort_epoch
         self.running += 1
+        call = len(self.sampled)
+        self.sampled.append(0)
         try:
             for _ in range(int(params["max_new_tokens"])):
                 if self.abort_epoch != epoch:  # pause(mode=abort) ends every running request
@@ -105,6 +109,7 @@ class FakeSGLang:
                 tok = next_token(ctx + ids, self.seed)
                 ids.append(tok)
                 lps.append(token_logprob(tok, self.seed))
+                self.sampled[call] += 1
                 if tok in stops:
                     yield ids, lps, {"type": "stop", "matched": tok}
                     return
@@ -192,6 +197,11 @@ def expected(prompt: list[int], n: int, seed: int = 0) -> tuple[list[int], list[
     return ids, [token_logprob(t, seed) for t in ids]
 
 
+def _under_way(fake: FakeSGLang, calls: int, tokens: int = 3) -> bool:
+    """``calls`` requests are running and each has sampled ``tokens`` tokens."""
+    return fake.running == calls and len(fake.sampled) >= calls and min(fake.sampled[-calls:]) >= tokens
+
+
 def weights_dir(tmp_path: Path, seed: int) -> Path:
     d = tmp_path / f"v{seed}"
     d.mkdir()
@@ -248,9 +258,7 @@ async def test_update_weights_keeps_in_flight_call_retract_mode(tmp_path: Path) 
     async with serve_async(fake.app) as srv:
         engine = SGLangEngine(srv.url, pause_mode="retract")
         call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=30)))
-        while not fake.running:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.1)
+        await until_async(lambda: _under_way(fake, 1), what="the call a few tokens in")
         await engine.update_weights(weights_dir(tmp_path, 5), version=1)
         gen = await call
         after = await engine.generate(prompt, Sampling(max_tokens=4))
@@ -273,9 +281,7 @@ async def test_update_weights_resumes_calls_the_server_aborted(tmp_path: Path) -
         engine = SGLangEngine(srv.url, pause_mode="abort")
         call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=20)))
         stream_call = asyncio.create_task(_collect(engine.stream(prompt, Sampling(max_tokens=20))))
-        while fake.running < 2:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.1)
+        await until_async(lambda: _under_way(fake, 2), what="two calls a few tokens in")
         await engine.update_weights(weights_dir(tmp_path, 7), version=3)
         gen, deltas = await call, await stream_call
         await engine.close()

@@ -42,6 +42,7 @@ from lightning_sdk.engines.vllm import VLLMEngine
 from lightning_sdk.engines.vllm_extension import DiskReloadExtension
 from lightning_sdk.errors import EngineError
 from tests.support.servers import serve_async
+from tests.support.waiting import until_async
 
 VOCAB = 500
 
@@ -67,6 +68,8 @@ class FakeVLLM:
         self.requests: list[dict[str, Any]] = []
         self.events: list[str] = []
         self.running = 0
+        self.sampled: list[int] = []  # tokens sampled so far, per request (the tests wait for calls to be under way)
+        self.pause_requests = 0
         self.app = Starlette(
             routes=[
                 Route("/health", lambda r: Response(status_code=200), methods=["GET"]),
@@ -84,6 +87,8 @@ class FakeVLLM:
         epoch = self.abort_epoch
         ids: list[int] = []
         self.running += 1
+        call = len(self.sampled)
+        self.sampled.append(0)
         try:
             for _ in range(int(body.get("max_tokens") or 16)):
                 if self.abort_epoch != epoch:
@@ -93,6 +98,7 @@ class FakeVLLM:
                     await self.resumed.wait()
                 tok = next_token(ctx + ids, self.seed)
                 ids.append(tok)
+                self.sampled[call] += 1
                 if tok in stops:
                     yield ids, "stop"
                     return
@@ -193,6 +199,7 @@ class FakeVLLM:
 
     async def pause(self, request: Request) -> Response:
         mode = request.query_params.get("mode", "abort")
+        self.pause_requests += 1
         if mode == "wait":  # vLLM lets the requests in flight finish, then pauses
             while self.running:
                 await asyncio.sleep(0.005)
@@ -240,6 +247,11 @@ def weights_dir(tmp_path: Path, seed: int) -> Path:
     return d
 
 
+def _under_way(fake: FakeVLLM, calls: int, tokens: int = 3) -> bool:
+    """``calls`` requests are running and each has sampled ``tokens`` tokens."""
+    return fake.running == calls and len(fake.sampled) >= calls and min(fake.sampled[-calls:]) >= tokens
+
+
 async def _collect(stream: Any) -> list[Any]:
     return [d async for d in stream]
 
@@ -276,11 +288,9 @@ async def test_weight_reload_waits_for_in_flight_calls(tmp_path: Path) -> None:
         engine = VLLMEngine(srv.url)
         call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=25)))
         streamed = asyncio.create_task(_collect(engine.stream(prompt, Sampling(max_tokens=25))))
-        while fake.running < 2:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.1)
+        await until_async(lambda: _under_way(fake, 2), what="two calls a few tokens in")
         update = asyncio.create_task(engine.update_weights(weights_dir(tmp_path, 4), version=2))
-        await asyncio.sleep(0.05)
+        await until_async(lambda: fake.pause_requests == 1, what="the update's pause")
         held = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=3)))
         await update
         gen, deltas, after = await call, await streamed, await held
@@ -301,9 +311,7 @@ async def test_weight_reload_in_keep_mode_continues_frozen_calls(tmp_path: Path)
     async with serve_async(fake.app) as srv:
         engine = VLLMEngine(srv.url, pause_mode="keep")
         call = asyncio.create_task(engine.generate(prompt, Sampling(max_tokens=25)))
-        while fake.running < 1:
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.1)
+        await until_async(lambda: _under_way(fake, 1), what="the call a few tokens in")
         await engine.update_weights(weights_dir(tmp_path, 4), version=2)
         gen = await call
         await engine.close()

@@ -14,13 +14,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.support.sandboxes import sandboxed_processes
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "coding_agent"
@@ -32,11 +32,11 @@ SMALL = [
 
 
 def _wait(what: str, cond: Callable[[], bool], proc: subprocess.Popen[bytes], timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
+    def held() -> bool:
         assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
+        return cond()
+
+    until(held, timeout=timeout, what=what, every=0.05)
 
 
 def _train(out: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -81,7 +81,5 @@ def test_sigkill_of_the_whole_run_then_restart_leaves_no_sandbox_and_no_process(
             os.killpg(second.pid, signal.SIGKILL)
     assert second.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     assert dirs() == []
-    deadline = time.monotonic() + 10  # a harness of the killed run reaped with SIGKILL is gone once its parent waits
-    while sandboxed_processes(boxes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sandboxed_processes(boxes) == set()
+    # a harness of the killed run reaped with SIGKILL is gone once its parent waits
+    until(lambda: sandboxed_processes(boxes) == set(), timeout=10, what="the killed run's harnesses to be gone")

@@ -97,8 +97,7 @@ async def test_finish_waits_for_a_long_call_then_aborts_it_and_says_so(tmp_path:
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
             call = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"])))
-            while mock.n_requests == 0:
-                await asyncio.sleep(0.01)
+            await until_async(lambda: mock.n_requests > 0, what="the call at the upstream")
             fin = await http.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=_auth(s["token"]))
             rc = await call
             assert fin.status_code == 200
@@ -107,10 +106,8 @@ async def test_finish_waits_for_a_long_call_then_aborts_it_and_says_so(tmp_path:
             assert answer["calls"] == 1 and answer["calls_failed"] == 1 and answer["status"] == "succeeded"
             assert rc.status_code == 409 and rc.headers["x-should-retry"] == "false"
             assert rc.json()["error"]["code"] == "attempt_finished"
-            for _ in range(100):  # the upstream saw the proxy close the request (generation aborted)
-                if mock.cancelled:
-                    break
-                await asyncio.sleep(0.02)
+            # the upstream saw the proxy close the request (generation aborted)
+            await until_async(lambda: mock.cancelled >= 1, timeout=2, what="the upstream to see the abort")
             assert mock.cancelled == 1
             (attempt,) = (await store.get_rollout(s["rollout_id"])).attempts
             (c,) = attempt.calls
@@ -126,8 +123,7 @@ async def test_finish_waits_for_a_call_that_ends_within_the_timeout(tmp_path: Pa
         async with serve_async(app) as srv, httpx.AsyncClient(base_url=srv.url, timeout=30) as http:
             s = (await http.post("/lightning/v1/sessions", json={}, headers=ADMIN)).json()
             call = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT, headers=_auth(s["token"])))
-            while mock.n_requests == 0:
-                await asyncio.sleep(0.01)
+            await until_async(lambda: mock.n_requests > 0, what="the call at the upstream")
             fin = await http.post("/lightning/v1/finish", json={"status": "succeeded"}, headers=_auth(s["token"]))
             assert (await call).status_code == 200
             answer = fin.json()
@@ -182,15 +178,13 @@ async def test_more_than_5000_running_attempts_keep_in_flight_state_and_unique_s
                         return r.status_code
 
                 held = [asyncio.create_task(call(t)) for t in tokens[:k]]
-                while upstream_app.held < k:
-                    await asyncio.sleep(0.01)
+                await until_async(lambda: upstream_app.held >= k, what=f"{k} calls held upstream")
                 assert all(s == 200 for s in await asyncio.gather(*(reward(t) for t in tokens[k:])))
                 assert len(proxy.attempts) >= proxy.attempts.max_entries
                 for t in tokens[:k]:  # never evicted: still counted in flight
                     assert (await proxy.attempts.resolve(t)).inflight == 1
                 second = [asyncio.create_task(call(t)) for t in tokens[:k]]
-                while upstream_app.held < 2 * k:
-                    await asyncio.sleep(0.01)
+                await until_async(lambda: upstream_app.held >= 2 * k, what=f"{2 * k} calls held upstream")
                 # the finishes get connections of their own (the calls hold all of ``http``'s)
                 finisher = httpx.AsyncClient(base_url=srv.url, timeout=120)
                 fins = [

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ import openai
 from lightning_sdk.store import SQLiteStore
 from tests.support.mock_openai import MockOpenAI
 from tests.support.servers import RunningServer, free_port
+from tests.support.waiting import answers, until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,17 +35,12 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"proxy exited early: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            if httpx.get(url + "/lightning/v1/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("proxy did not become healthy")
+        return answers(url + "/lightning/v1/health")
+
+    until(healthy, timeout=timeout, what="the proxy to become healthy", every=0.1)
 
 
 def test_proxy_command_traces_into_the_store(upstream: RunningServer, mock: MockOpenAI, tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +22,7 @@ from lightning_sdk.types import Call
 from tests.support.mock_openai import MockOpenAI
 from tests.support.servers import RunningServer, free_port, run_server
 from tests.support.tokenizers import tokenizer_dir
+from tests.support.waiting import answers, until
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "retok-key"
@@ -49,14 +49,12 @@ def _trace(upstream: RunningServer, db: Path, *extra: str) -> tuple[list[Call], 
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     follow = [*msgs, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "Sure?"}]
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the proxy did not start"
-            try:
-                if httpx.get(url + "/lightning/v1/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+
+        def healthy() -> bool:
+            assert proc.poll() is None, "the proxy exited"
+            return answers(url + "/lightning/v1/health")
+
+        until(healthy, timeout=60, what="the proxy to start", every=0.1)
         s = httpx.post(url + "/lightning/v1/sessions", json={}, headers={"Authorization": f"Bearer {KEY}"}).json()
         client = openai.OpenAI(base_url=url + "/v1", api_key=s["token"], max_retries=0)
         assert client.chat.completions.create(model="policy", messages=msgs).choices[0].message.content == REPLY  # type: ignore[arg-type]

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +164,15 @@ def test_attempt_cut_off_before_finish_is_never_succeeded(
         assert mock.n_requests == seen + 3  # all three are waiting on the upstream
         closer = threading.Thread(target=finish)  # the finish waits for the calls in flight
         closer.start()
-        time.sleep(0.3)
+
+        def finishing() -> bool:  # a reward for no call: 400 while the attempt runs, 409 once its finish began
+            probe = {"value": 0.0, "call_id": "no-such-call"}
+            auth = {"Authorization": f"Bearer {s['token']}"}
+            answer = httpx.post(url + "/lightning/v1/reward", json=probe, headers=auth, timeout=10)
+            assert answer.status_code in (400, 409), answer.text
+            return answer.status_code == 409
+
+        until(finishing, timeout=20, what="the finish to wait for the calls in flight", every=0.02)
     finally:
         _kill(proc)
     for t in [*threads, closer]:

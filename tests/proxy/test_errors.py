@@ -17,6 +17,7 @@ from lightning_sdk.proxy import ProxyConfig
 from tests.support.mock_openai import MockOpenAI
 from tests.support.proxy import ProxyHandle, run_proxy
 from tests.support.servers import RunningServer, free_port, run_server
+from tests.support.waiting import until
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -211,9 +212,7 @@ def test_agent_hang_up_cancels_the_upstream_call(
                 headers={"Authorization": f"Bearer {s['token']}"},
                 timeout=hang_up_after_s,
             )
-        deadline = time.monotonic() + 2.5
-        while mock.cancelled < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: mock.cancelled >= 1, timeout=2.5, what="the upstream to see the proxy go away")
         assert mock.cancelled == 1  # the engine saw the proxy go away long before its 3 s reply
         [call] = px.calls(s["rollout_id"])
         assert call["error"] == "the agent disconnected before the reply was complete"
@@ -226,9 +225,7 @@ def test_agent_hang_up_mid_stream_cancels_the_upstream_stream(px: ProxyHandle, m
     with px.http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}, headers=headers) as r:
         assert r.status_code == 200
         next(r.iter_lines())
-    deadline = time.monotonic() + 3.0
-    while mock.cancelled < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until(lambda: mock.cancelled >= 1, timeout=3.0, what="the upstream to see the proxy go away")
     assert mock.cancelled == 1
     [call] = px.calls(s["rollout_id"])
     assert "disconnected" in call["error"]

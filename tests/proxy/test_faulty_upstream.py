@@ -12,9 +12,9 @@ import base64
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from lightning_sdk.store import SQLiteStore
 from tests.support.mock_openai import MockOpenAI
 from tests.support.proxy import ProxyHandle, run_proxy
 from tests.support.servers import free_port, run_server
+from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
@@ -233,6 +234,15 @@ class _BasicAuthGate:
         await self.app(scope, receive, send)
 
 
+def _refused(host: str, port: int) -> bool:
+    """Whether nothing listens on ``host:port`` any more."""
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
 def test_upstream_credentials_are_basic_auth_and_never_echoed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     secret = "s3cr3t-pw"
     gate = _BasicAuthGate(MockOpenAI().app, _basic("agent", secret))
@@ -246,7 +256,7 @@ def test_upstream_credentials_are_basic_auth_and_never_echoed(tmp_path: Path, ca
             assert gate.seen[-1] == _basic("agent", secret).encode()
             # now the upstream goes away: the 502 the agent sees and the recorded error name it without the password
             upstream.server.should_exit = True
-            time.sleep(0.5)
+            until(lambda: _refused(upstream.host, upstream.port), timeout=20, what="the upstream to stop listening")
             bad = px.http.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['token']}"})
             assert bad.status_code == 502 and upstream.url.split("//")[1] in bad.text
             health = px.http.get("/lightning/v1/health").text
@@ -287,15 +297,17 @@ def test_proxy_command_starts_before_its_upstream(tmp_path: Path) -> None:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
         health: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+
+        def answers() -> bool:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
-                health = httpx.get(url + "/lightning/v1/health", timeout=1).json()
-                break
+                health.update(httpx.get(url + "/lightning/v1/health", timeout=1).json())
             except httpx.HTTPError:
-                time.sleep(0.1)
+                return False
+            return True
+
+        until(answers, timeout=60, what="the proxy's health", every=0.1)
         assert health["upstream"]["state"] == "waiting" and secret not in str(health)
         s = httpx.post(url + "/lightning/v1/sessions", json={}, headers={"Authorization": "Bearer k"}).json()
         r = httpx.post(url + "/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {s['token']}"})
@@ -303,10 +315,12 @@ def test_proxy_command_starts_before_its_upstream(tmp_path: Path) -> None:
         assert r.json()["error"]["type"] == "service_unavailable_error" and secret not in r.text
         gate = _BasicAuthGate(MockOpenAI().app, _basic("u", secret))
         with run_server(gate, port=up_port):
-            while time.monotonic() < deadline:
-                if httpx.get(url + "/lightning/v1/health", timeout=1).json()["upstream"]["state"] == "ready":
-                    break
-                time.sleep(0.1)
+            until(
+                lambda: httpx.get(url + "/lightning/v1/health", timeout=1).json()["upstream"]["state"] == "ready",
+                timeout=60,
+                what="the upstream ready",
+                every=0.1,
+            )
             client = openai.OpenAI(base_url=url + "/v1", api_key=s["token"], max_retries=0)
             reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
             assert reply.choices[0].message.content == "Hello from the mock upstream."

@@ -19,7 +19,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from lightning_sdk.types import AttemptStatus, RolloutDetail
 from tests.support.mock_openai import MockOpenAI
 from tests.support.postgres import PostgresServer
 from tests.support.servers import free_port, run_server
+from tests.support.waiting import answers, until, until_async
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "many-proxies-key"
@@ -54,16 +54,11 @@ class ProxyProcess:
         )
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             assert self.proc.poll() is None, "the proxy exited early"
-            try:
-                if httpx.get(self.url + "/lightning/v1/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"the proxy on {self.url} did not become healthy")
+            return answers(self.url + "/lightning/v1/health")
+
+        until(healthy, timeout=90, what=f"the proxy on {self.url} to become healthy", every=0.05)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -251,14 +246,14 @@ def test_a_call_committed_by_a_proxy_killed_before_it_answered_is_recorded_once(
 
                 async def run() -> None:
                     task = asyncio.create_task(agent())
-                    loop = asyncio.get_running_loop()
                     _standby(admin, "nobody")
 
                     async def until_waiting(reserving: bool, waiting: bool = True) -> None:
-                        deadline = loop.time() + 60
-                        while _backend_waiting(admin, db, reserving=reserving) != waiting:
-                            assert loop.time() < deadline and not task.done(), f"standby wait never {waiting}"
-                            await asyncio.sleep(0.01)
+                        def seen() -> bool:
+                            assert not task.done(), f"standby wait never {waiting}"
+                            return _backend_waiting(admin, db, reserving=reserving) == waiting
+
+                        await until_async(seen, timeout=60, what=f"the standby wait {waiting}", every=0.01)
 
                     await until_waiting(True)  # A's reserve_seq: let it through, then hold A's commit
                     _standby(admin, "")

@@ -20,6 +20,7 @@ import pytest
 from lightning_sdk.proxy import ProxyConfig
 from tests.support.proxy import ADMIN_KEY, ProxyHandle, run_proxy
 from tests.support.servers import RunningServer
+from tests.support.waiting import until
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -98,7 +99,10 @@ def test_client_hanging_up_mid_body_is_not_an_error(strict_px: ProxyHandle, capl
         for path in ("/lightning/v1/finish", "/v1/chat/completions", "/lightning/v1/store/calls"):
             head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
             _raw(strict_px, head.encode(), b'{"a": ', close=True)
-        time.sleep(0.5)
+        # connections are accepted in order: once this later one is answered (and closed), the three were accepted,
+        # and the server is settled once their handlers returned
+        assert strict_px.http.get("/lightning/v1/health", headers={"Connection": "close"}).status_code == 200
+        until(strict_px.server.settled, timeout=10, what="the three handlers to end")
         assert strict_px.http.get("/lightning/v1/health").status_code == 200
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 

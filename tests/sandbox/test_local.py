@@ -19,7 +19,7 @@ import pytest
 
 from lightning_sdk.sandbox import LocalBackend, SandboxError, SandboxLimits, describe_enforcement, reap_leftovers
 from lightning_sdk.sandbox._local import _pids_of_uid, _pids_with_marker
-from tests.support.waiting import until
+from tests.support.waiting import until, until_async
 
 PY = sys.executable
 FILES = {"pkg/__init__.py": "", "pkg/mod.py": "def f(x):\n    return x + 1\n"}
@@ -34,12 +34,11 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_dead(pid: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.02)
-    return False
+    try:
+        until(lambda: not _alive(pid), timeout=timeout, what=f"process {pid} to end")
+    except AssertionError:
+        return False
+    return True
 
 
 @pytest.fixture
@@ -165,7 +164,7 @@ async def test_cleanup_on_error_and_cancellation(backend: LocalBackend) -> None:
             await box2.exec("sleep 60")
 
     task = asyncio.create_task(attempt())
-    await asyncio.sleep(0.3)
+    await until_async(lambda: bool(_pids_with_marker(box2.id)), timeout=10, what="the sandbox's command to start")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -182,14 +181,13 @@ async def test_cap_waits_for_a_slot_then_times_out(tmp_path: Path) -> None:
     assert backend.active() == 3
     await verifier.close()
 
-    async def later() -> None:
-        await asyncio.sleep(0.1)
-        await a.close()
-
     backend.create_timeout_s = 60.0  # now it waits (a close under load takes longer than the refusal's 0.3 s)
-    closer = asyncio.create_task(later())
-    c = await backend.create(FILES)  # got a's slot
-    await closer
+    waiting = asyncio.create_task(backend.create(FILES))
+    await until_async(lambda: backend.waiting == 1, timeout=10, what="the creation to wait for a slot")
+    assert not waiting.done()
+    await a.close()
+    c = await waiting  # got a's slot
+    assert backend.waiting == 0
     assert backend.active() == 2
     await b.close()
     await c.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from starlette.routing import Mount
 
 from lightning_sdk.store import ManualClock, MemoryStore, Store
 from tests.support.proxy import ADMIN_KEY  # the one test key (tests/support/proxy.py)
+from tests.support.waiting import until
 
 
 def free_socket() -> socket.socket:
@@ -49,11 +49,7 @@ class ServerThread:
 
     def start(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+        until(lambda: self.server.started, timeout=10, what="uvicorn to start")
         return self
 
     def stop(self) -> None:

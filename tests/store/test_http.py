@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from lightning_sdk.errors import ConfigError, InvalidTransitionError, NotFoundError, StoreError, StoreUnavailableError
-from lightning_sdk.store import HTTPStore, MemoryStore, SQLiteStore, open_store, reap_leases, run_sync
+from lightning_sdk.store import HTTPStore, ManualClock, MemoryStore, SQLiteStore, open_store, reap_leases, run_sync
 from lightning_sdk.types import AttemptStatus, RolloutDetail
 from tests.support.waiting import until_async
 
@@ -205,23 +205,30 @@ async def test_open_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 async def test_reap_leases_and_run_sync(tmp_path: Path) -> None:
-    store = SQLiteStore(tmp_path / "r.db")
+    clock = ManualClock()
+    store = SQLiteStore(tmp_path / "r.db", clock=clock)
     try:
         await store.enqueue([{"q": 1}], max_attempts=2)
         claim = await store.claim("w", lease_s=0.1)
         assert claim is not None
         reaper = asyncio.create_task(reap_leases(store, interval_s=0.05))
-        for _ in range(100):
-            if (await store.get_attempt(claim.attempt.attempt_id)).status is AttemptStatus.TIMED_OUT:
-                break
-            await asyncio.sleep(0.05)
+
+        async def timed_out() -> bool:
+            return (await store.get_attempt(claim.attempt.attempt_id)).status is AttemptStatus.TIMED_OUT
+
+        assert not await timed_out()
+        clock.advance(0.2)  # the lease is over in store time: the reaper's next pass times the attempt out
+        await until_async(timed_out, timeout=30, what="the reaper to time the attempt out")
         reaper.cancel()
-        assert (await store.get_attempt(claim.attempt.attempt_id)).status is AttemptStatus.TIMED_OUT
         assert (await store.counts())["queued"] == 1
         assert run_sync(MemoryStore().counts())["queued"] == 0  # works inside a running loop (helper thread)
     finally:
         await store.close()
-    assert run_sync(asyncio.sleep(0, result=5)) == 5
+
+    async def five() -> int:
+        return 5
+
+    assert run_sync(five()) == 5
 
 
 class _AnswerDropper:

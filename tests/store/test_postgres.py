@@ -166,13 +166,12 @@ async def test_finish_waits_for_a_batch_in_flight_and_counts_it(postgres_url: st
         await held.execute("SELECT 1 FROM attempts WHERE attempt_id = %s FOR SHARE", (aid,))  # a batch in flight
         finishing = asyncio.ensure_future(b.finish_attempt(aid, AttemptStatus.SUCCEEDED))
         async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as watch:
-            for _ in range(3000):  # until the finish is seen waiting on the lock (pg_stat_activity), <= ~30 s
+
+            async def waiting_on_the_lock() -> bool:  # the finish is seen waiting on the lock (pg_stat_activity)
                 cur = await watch.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
-                if (await cur.fetchone()) == (1,):
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the finish never waited on the attempt's lock")
+                return (await cur.fetchone()) == (1,)
+
+            await until_async(waiting_on_the_lock, timeout=30, what="the finish to wait on the lock", every=0.01)
         assert not finishing.done()
         await held.execute(ops._INSERT_CALL, ops.call_to_row(_call(aid, rid, 0)))
         await held.commit()

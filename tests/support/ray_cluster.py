@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import psutil
 
 from tests.support.servers import free_port
+from tests.support.waiting import until
 
 __all__ = ["RayCluster", "RayNode"]
 
@@ -148,14 +148,14 @@ class RayCluster:
 
     def wait_for_nodes(self, n: int, timeout: float = 120.0) -> None:
         """Wait until ``n`` nodes are alive in the cluster (a bounded wait on Ray's own view)."""
-        deadline = time.monotonic() + timeout
-        while self.alive_nodes() < n:
+
+        def alive() -> bool:
             for node in self.nodes:
                 if node.proc.poll() is not None:
                     raise AssertionError(f"ray node {node.name} exited:\n{node.log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"fewer than {n} Ray nodes alive after {timeout:.0f} s")
-            time.sleep(0.5)
+            return self.alive_nodes() >= n
+
+        until(alive, timeout=timeout, what=f"{n} Ray nodes alive", every=0.5)
 
     def kill_node(self, node: RayNode) -> set[int]:
         """SIGKILL every process of ``node`` (a machine failing); answers the pids killed."""
@@ -208,9 +208,8 @@ class RayCluster:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
-                time.sleep(0.1)
+            with contextlib.suppress(AssertionError):  # what is left after 10 s is killed below
+                until(lambda pids=pids: not any(psutil.pid_exists(p) for p in pids), timeout=10, every=0.1)
             self.kill_node(node)
         shutil.rmtree(self.temp, ignore_errors=True)
 

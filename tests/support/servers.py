@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from tests.support.waiting import until_async
+
 __all__ = ["RunningServer", "free_port", "run_server", "serve_async"]
 
 T = TypeVar("T")
@@ -68,6 +70,11 @@ class RunningServer:
         self.port = port
         self.url = f"http://{host}:{port}"
         self.loop: asyncio.AbstractEventLoop | None = None
+
+    def settled(self) -> bool:
+        """No connection is open and no request is being served (every handler has returned)."""
+        state = self.server.server_state
+        return not state.connections and not state.tasks
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
         """Run ``coro`` on the server's event loop and return its result (only for ``run_server``)."""
@@ -126,11 +133,14 @@ async def serve_async(
     server = uvicorn.Server(_config(app, host, real_port, graceful_s, **uvicorn_kwargs))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        while not server.started:
+
+        def started() -> bool:
             if task.done():
                 task.result()  # raises the startup error
                 raise RuntimeError(f"server on port {real_port} exited during startup")
-            await asyncio.sleep(0.01)
+            return bool(server.started)
+
+        await until_async(started, timeout=60, what=f"the server on port {real_port} to start")
         yield RunningServer(server, host, real_port)
     finally:
         server.should_exit = True

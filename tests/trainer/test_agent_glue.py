@@ -19,6 +19,7 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.data import load_rows
 from tests.agent.stack import proxy_stack
+from tests.support.waiting import until_async
 
 
 def test_import_path_is_public_and_feeds_load_rows(tmp_path: Path) -> None:
@@ -43,6 +44,8 @@ class _LateHeartbeat:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.late: list[str] = []
+        self.holding = asyncio.Event()  # the quick attempt's heartbeat is held: its agent may finish now
+        self.delivered = asyncio.Event()  # the held heartbeat went out after the finish: the slow agent may end
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -51,18 +54,25 @@ class _LateHeartbeat:
         attempt = await self._store.get_attempt(attempt_id)
         detail = await self._store.get_rollout(attempt.rollout_id)
         if detail.rollout.task.get("q") == "quick" and not self.late:
-            for _ in range(200):
-                if (await self._store.get_attempt(attempt_id)).status.value != "running":
-                    break
-                await asyncio.sleep(0.02)
             self.late.append(attempt_id)
+            self.holding.set()
+
+            async def finished() -> bool:
+                return (await self._store.get_attempt(attempt_id)).status.value != "running"
+
+            try:
+                await until_async(finished, timeout=30, what="the quick attempt's finish")
+                return await self._store.heartbeat(attempt_id, lease_s=lease_s)
+            finally:
+                self.delivered.set()
         return await self._store.heartbeat(attempt_id, lease_s=lease_s)
 
 
 async def test_heartbeat_racing_the_finish_is_not_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     @la.rollout
     async def agent(task: dict[str, str], llm: la.LLM) -> float:
-        await asyncio.sleep(0.2 if task["q"] == "quick" else 1.5)
+        # the quick one ends while its heartbeat is held; the slow one keeps the pool alive until it went out
+        await (store.holding if task["q"] == "quick" else store.delivered).wait()
         return 1.0
 
     caplog.set_level(logging.DEBUG, logger="lightning_sdk.agent.worker")

@@ -4,7 +4,6 @@ training steps, then a scrape parsed by prometheus_client's text parser, checked
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job
 from lightning_sdk.app.loop import RLWorkers
 from lightning_sdk.trainer.config import load_train_config
+from tests.support.waiting import until_async
 from tests.trainer.tiny import build_small_policy, write_config
 
 
@@ -27,20 +27,21 @@ async def settled_scrape(client: httpx.AsyncClient, deadline_s: float = 60.0) ->
     """Scrape once no call is being served and the recorder has written everything queued: a call the release cut
     off is still answered and recorded after ``workers.close()`` returns, so a scrape before that would count it
     nowhere yet while the store (read after the scrape) already has it."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + deadline_s
-    while True:
+    scraped: list[httpx.Response] = []
+
+    async def settled() -> bool:
         r = await client.get("/metrics")
+        scraped.append(r)
         gauges = {
             s.name: s.value
             for family in text_string_to_metric_families(r.text)
             for s in family.samples
             if s.name in ("lightning_sdk_calls_in_flight", "lightning_sdk_recorder_queue_depth")
         }
-        if r.status_code != 200 or (len(gauges) == 2 and not any(gauges.values())):
-            return r
-        assert loop.time() < end, f"calls still in flight or queued after {deadline_s}s: {gauges}"
-        await asyncio.sleep(0.05)
+        return r.status_code != 200 or (len(gauges) == 2 and not any(gauges.values()))
+
+    await until_async(settled, timeout=deadline_s, what="no call in flight or queued on /metrics", every=0.05)
+    return scraped[-1]
 
 
 async def test_daemon_metrics_count_the_steps_and_the_published_version(tmp_path: Path, small_policy: Path) -> None:

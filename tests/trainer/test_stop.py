@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ import pytest
 from lightning_sdk.app.job import prepare_run_dir
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.checkpoint import load_checkpoint
+from tests.support.waiting import until
 from tests.trainer.tiny import CLI, ROOT, build_small_policy, write_config
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
@@ -45,12 +47,12 @@ def _cli(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(proc: subprocess.Popen[str], ready: object, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():  # type: ignore[operator]
+def _wait_for(proc: subprocess.Popen[str], ready: Callable[[], object], timeout: float = 60.0) -> None:
+    def held() -> bool:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "timed out waiting for the run"
-        time.sleep(0.05)
+        return bool(ready())
+
+    until(held, timeout=timeout, what="the run", every=0.05)
 
 
 class Output:

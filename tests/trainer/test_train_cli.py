@@ -12,13 +12,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_sdk.trainer.checkpoint import load_checkpoint
+from tests.support.waiting import until
 from tests.trainer.tiny import CLI, EXAMPLE, ROOT, build_small_policy
 from tests.trainer.tiny import write_config as _write_config
 
@@ -225,16 +225,17 @@ def test_sigkill_mid_training_resumes_with_no_group_trained_twice_or_lost(
         config.write_text("\n".join([f'agent = "{tmp_path / "parity_agent.py"}:agent"', *text[1:]]) + "\n")
     out = tmp_path / "run"
     proc = _train(config, out)
-    deadline = time.monotonic() + 180
-    killed_at = None
-    while time.monotonic() < deadline and proc.poll() is None:
+
+    def third_step_or_exit() -> bool:
         ckpt = load_checkpoint(out) if (out / "checkpoint.pt").exists() else None
-        if ckpt is not None and ckpt.step >= 3:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            killed_at = load_checkpoint(out)
-            break
-        time.sleep(0.05)
+        return proc.poll() is not None or (ckpt is not None and ckpt.step >= 3)
+
+    until(third_step_or_exit, timeout=180, what="the third checkpoint", every=0.05)
+    killed_at = None
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_at = load_checkpoint(out)
     assert killed_at is not None and 3 <= killed_at.step < steps, "the run ended before it could be killed"
     before_restart = _consumed_in_store(out / "store.db")
 
