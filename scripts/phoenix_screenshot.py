@@ -52,9 +52,10 @@ def main() -> None:
             time.sleep(0.5)
         tel = Telemetry(TelemetryConfig(otlp=f"http://127.0.0.1:{PORT}", protocol="http/protobuf",
                                         service_name="calc-agent"))  # fmt: skip
-        with run_server(MockOpenAI().app) as upstream, run_proxy(
-            upstream.url + "/v1", store_path=work / "s.db", observers=[SpanObserver(tel)]
-        ) as px:
+        with (
+            run_server(MockOpenAI().app) as upstream,
+            run_proxy(upstream.url + "/v1", store_path=work / "s.db", observers=[SpanObserver(tel)]) as px,
+        ):
             s = px.session({"question": "What is 2 + 2?"})
             client = openai.OpenAI(base_url=px.url + "/v1", api_key=s["token"], max_retries=0)
             msgs: list[dict[str, str]] = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -59,6 +59,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if match or not line:
             break
     assert match, first
+
     # served during the run: answers 503 until the run has its store, then the run's overview
     def answers() -> bool:
         try:
