@@ -560,13 +560,14 @@ async def test_response_format_reaches_engines_with_guided_decoding() -> None:
     assert r.response["choices"][0]["message"]["content"] == '{"a": 1}'
     assert engine.sampling[0].response_format == schema
     sampling = Sampling(max_tokens=4, response_format=schema)
-    vllm_body = VLLMEngine("http://127.0.0.1:1")._body([1, 2], sampling, stream=False)
+    vllm_body = VLLMEngine("http://127.0.0.1:1")._body([1, 2], sampling, stream=False, model="policy-v3")
     assert vllm_body["response_format"] == schema
+    assert vllm_body["model"] == "policy-v3"  # the served name (an adapter's per-version name with LoRA)
     sglang_body = SGLangEngine._body(
         [1, 2], Sampling(max_tokens=4, response_format={"type": "json_object"}), stream=False
     )
     assert json.loads(sglang_body["sampling_params"]["json_schema"]) == {"type": "object"}
-    assert "response_format" not in VLLMEngine("http://127.0.0.1:1")._body([1], Sampling(), stream=False)
+    assert "response_format" not in VLLMEngine("http://127.0.0.1:1")._body([1], Sampling(), stream=False, model="p")
 
 
 async def test_the_engine_wrappers_pass_their_engines_capabilities_on() -> None:
