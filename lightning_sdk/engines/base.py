@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Engine", "Generation", "GenerationDelta", "Sampling"]
+__all__ = ["DelegatingEngine", "Engine", "Generation", "GenerationDelta", "Sampling"]
 
 
 class Sampling(BaseModel):
@@ -107,3 +107,26 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class DelegatingEngine(Engine):
+    """An engine wrapped around ``inner`` (the served engine, a test's spy): its version and capabilities are the
+    inner engine's, so a wrapper never hides what the engine it wraps can do."""
+
+    inner: Engine
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    @property
+    def supports_response_format(self) -> bool:
+        return self.inner.supports_response_format
+
+    @property
+    def supports_top_logprobs(self) -> bool:
+        return self.inner.supports_top_logprobs

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import DelegatingEngine, Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
 
 __all__ = [
@@ -90,7 +90,7 @@ class ServingEngine(Engine, Protocol):
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
 
-class ServedEngine(Engine):
+class ServedEngine(DelegatingEngine):
     """A remote engine (SGLang/vLLM client) with the trainer's extras; stops the servers it launched on close."""
 
     def __init__(self, inner: Engine, tokenizer: PreTrainedTokenizerBase, servers: Sequence[Any] = ()) -> None:
@@ -100,22 +100,6 @@ class ServedEngine(Engine):
         self.stats: dict[str, int] = {"tokens": 0, "requests": 0}
         # turns a state dict (what the warm start hands over) into a checkpoint directory the servers can load
         self.write_state: Callable[[dict[str, torch.Tensor]], str] | None = None
-
-    @property
-    def policy_version(self) -> int:
-        return self.inner.policy_version
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.inner.max_model_len
-
-    @property
-    def supports_response_format(self) -> bool:
-        return self.inner.supports_response_format
-
-    @property
-    def supports_top_logprobs(self) -> bool:
-        return self.inner.supports_top_logprobs
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:

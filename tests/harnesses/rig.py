@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import DelegatingEngine, Generation, GenerationDelta, Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.proxy.token_mode import TokenModeBackend, TokenModeConfig
@@ -97,32 +97,18 @@ class ScriptedUpstream(MockOpenAI):
         return reply
 
 
-class SpyEngine(Engine):
+class SpyEngine(DelegatingEngine):
     """Delegates to a real engine; logs ``(input_ids, completion_ids, logprobs)`` of every generation."""
+
+    inner: EmbeddedEngine
 
     def __init__(self, inner: EmbeddedEngine) -> None:
         self.inner = inner
         self.served: list[Served] = []
 
     @property
-    def policy_version(self) -> int:
-        return self.inner.policy_version
-
-    @property
     def tokenizer(self) -> Any:
         return self.inner.tokenizer
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.inner.max_model_len
-
-    @property
-    def supports_response_format(self) -> bool:
-        return self.inner.supports_response_format
-
-    @property
-    def supports_top_logprobs(self) -> bool:
-        return self.inner.supports_top_logprobs
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         gen = await self.inner.generate(input_ids, sampling, session_id=session_id)

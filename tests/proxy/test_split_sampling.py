@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.base import DelegatingEngine, Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.engines.embedded import EmbeddedEngine
 from lightning_sdk.engines.sglang import SGLangEngine
 from lightning_sdk.engines.vllm import VLLMEngine
@@ -39,29 +39,13 @@ RULES = SplitSampling({"train": TRAIN, "eval*": EVAL})
 CALLS = 3  # per attempt
 
 
-class Seen(Engine):
+class Seen(DelegatingEngine):
     """Wraps the engine under test and keeps the ``Sampling`` each attempt's calls reached it with (by the
     ``session_id`` the proxy passes: the attempt id). The engine itself does the work."""
 
     def __init__(self, inner: Engine) -> None:
         self.inner = inner
         self.by_attempt: dict[str, list[Sampling]] = {}
-
-    @property
-    def policy_version(self) -> int:
-        return self.inner.policy_version
-
-    @property
-    def max_model_len(self) -> int | None:
-        return self.inner.max_model_len
-
-    @property
-    def supports_response_format(self) -> bool:
-        return self.inner.supports_response_format
-
-    @property
-    def supports_top_logprobs(self) -> bool:
-        return self.inner.supports_top_logprobs
 
     async def generate(self, input_ids: list[int], sampling: Sampling, *, session_id: str | None = None) -> Generation:
         self.by_attempt.setdefault(str(session_id), []).append(sampling)
