@@ -134,6 +134,8 @@ class WorkerPool:
         self._inflight: dict[asyncio.Task[AttemptResult], Claim] = {}
         self._lost: set[str] = set()  # attempt ids whose lease the server expired
         self._finishing: set[str] = set()  # attempt ids whose agent returned: no more heartbeats, no cancelling
+        self._started: set[str] = set()  # attempt ids whose _run_one began (a task cancelled before never runs it)
+        self._handing_back: set[asyncio.Task[None]] = set()  # releases of attempts cancelled before they started
         self._stopping = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -177,6 +179,8 @@ class WorkerPool:
         finally:
             if self._inflight:
                 await asyncio.gather(*self._inflight, return_exceptions=True)
+            if self._handing_back:
+                await asyncio.gather(*self._handing_back, return_exceptions=True)
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
@@ -219,10 +223,23 @@ class WorkerPool:
             await asyncio.wait_for(self._wake.wait(), timeout)
 
     def _on_done(self, task: asyncio.Task[AttemptResult]) -> None:
-        self._inflight.pop(task, None)
+        claim = self._inflight.pop(task, None)
         self.stats.in_flight = len(self._inflight)
+        ran = claim is not None and claim.attempt.attempt_id in self._started
+        if claim is not None:
+            self._started.discard(claim.attempt.attempt_id)
+        if claim is not None and not ran and task.cancelled():
+            # cancelled before its first step (a release right after the claim): its coroutine never ran, so the
+            # release _run_one would have made is made here, or the attempt would hold its rollout until its lease
+            # expired
+            back = asyncio.get_running_loop().create_task(self._hand_back(claim), name="lightning-hand-back")
+            self._handing_back.add(back)
+            back.add_done_callback(self._handing_back.discard)
         if self._wake is not None:
             self._wake.set()
+
+    async def _hand_back(self, claim: Claim) -> None:
+        self._record(await self._abandon(claim, time.monotonic()))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -248,6 +265,7 @@ class WorkerPool:
     # -- one attempt ---------------------------------------------------------------------------------------------
     async def _run_one(self, claim: Claim) -> AttemptResult:
         attempt, rollout = claim.attempt, claim.rollout
+        self._started.add(attempt.attempt_id)
         llm = LLM(
             base_url=f"{self.server_url}/v1", api_key=attempt.token, model=self.model, fallback_urls=self.fallback_urls
         )

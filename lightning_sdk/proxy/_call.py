@@ -513,6 +513,21 @@ async def _serve(
     first_at: float | None = None
     task = asyncio.current_task()
     stream = bool(body.get("stream"))
+    call: Call | None = None
+    recorded = False
+
+    async def commit_stream(res: ChatResult) -> ProxyHTTPError | None:
+        # a shared store: a stream's call is committed after its last content chunk, before its final event
+        nonlocal call, recorded
+        assert ctx is not None
+        recorded = True
+        try:
+            call = await record_call(proxy, state, ctx, adapter.recorded(t, body, res), res, None, adapter.chat,
+                                     started)  # fmt: skip
+        except LightningSDKError as exc:  # its attempt ended on another proxy, or the store failed
+            return refusal(exc)
+        return None
+
     try:
         seq = await state.take_seq(proxy.store)
         if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/_shared.py)
@@ -545,7 +560,8 @@ async def _serve(
                 if start is not None:  # time to the first chunk: only the observers' events carry it
                     first_at = time.perf_counter()
                 events = adapter.stream_events(t, ctx)
-                result, error = await _relay(out, events, first, items, ctx.call_id)
+                commit = commit_stream if proxy.commits is not None else None
+                result, error = await _relay(out, events, first, items, ctx.call_id, commit)
             elif adapter.chat:
                 result = await backend.chat(t.chat, ctx)
             else:
@@ -560,8 +576,6 @@ async def _serve(
         if task is not None:
             state.tasks.discard(task)
     call_id = ctx.call_id if ctx is not None else None
-    call: Call | None = None
-    recorded = False
     if proxy.commits is not None and error is None and result is not None and not stream and ctx is not None:
         # a shared store: the call is committed, then answered (proxy/_shared.py)
         try:
@@ -621,9 +635,12 @@ async def _relay(
     first: StreamItem,
     items: AsyncIterator[StreamItem],
     call_id: str,
+    before_end: Callable[[ChatResult], Awaitable[ProxyHTTPError | None]] | None = None,
 ) -> tuple[ChatResult | None, ProxyHTTPError | None]:
     """Send a backend's stream as the adapter's server-sent events; returns its ``ChatResult`` or the error that cut
-    it off (the caller then ends the started stream with the adapter's error event)."""
+    it off (the caller then ends the started stream with the adapter's error event). ``before_end`` runs after the
+    last content chunk and before the final event (a shared store's commit): an error it returns ends the stream
+    instead, so an agent never reads a whole stream whose call is not committed."""
     await out(
         {"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, (CALL_ID_HEADER, call_id.encode())]}
     )
@@ -642,6 +659,8 @@ async def _relay(
         return None, refusal(exc)
     if result is None:
         return None, ProxyHTTPError(502, "the stream ended without a result", kind="upstream_error")
+    if before_end is not None and (refused := await before_end(result)) is not None:
+        return None, refused
     await out({"type": "http.response.body", "body": events.finish(result)})
     return result, None
 

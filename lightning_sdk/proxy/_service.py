@@ -94,7 +94,9 @@ class Proxy:
         # A store many proxies share (proxy/_shared.py): calls are numbered by the store and committed, with the
         # store-side finish barrier, before they are answered. None: the single-proxy path (barrier in memory).
         self.shared: SharedStore | None = store if is_shared(store) else None  # type: ignore[assignment]
-        self.commits = CommitWriter(self.shared, max_batch=self.config.record_batch) if self.shared else None
+        self.commits = (
+            CommitWriter(self.shared, max_batch=self.config.record_batch, metrics=metrics) if self.shared else None
+        )
         if metrics is not None:
             metrics.refreshers.append(self._refresh_metrics)  # the call pipeline counts into it directly
         for observer in self.observers:

@@ -8,8 +8,11 @@ through any of them, so the state one proxy kept in memory moves to the store:
   an attempt that has ended is refused whole), and ``finish`` takes the row's exclusive lock, so it waits for the
   batches in flight, counts every call that landed (``store.finish_counting``), and no call lands after it;
 * **durability before the answer**: ``CommitWriter.commit(call)`` returns once the call is committed, and only then
-  is it answered (a non-streamed call; a streamed one is committed after its last chunk). A proxy killed at any
-  moment therefore never loses a call it answered, and the agent's retry on another proxy is a new call.
+  is it answered (a non-streamed call; a streamed one is committed after its last content chunk and before the
+  final event that ends its stream: ``finish_reason``, usage, ``[DONE]``). A proxy killed at any moment therefore
+  never loses a call it answered: an agent that read a whole answer (a JSON body, or a stream up to its end) reads
+  a committed call. A proxy killed between a stream's commit and its final event leaves the agent a stream cut off
+  before its end (an error, never a silent success) and a committed call it did not use; its retry is a new call.
 
 ``CommitWriter`` commits in batches: every call queued while a batch commits goes into the next one (group commit:
 one transaction per batch, however many handlers wait), so throughput does not stop at one round trip per call.
@@ -22,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from typing import Protocol, runtime_checkable
 
 from lightning_sdk._retry import RetryPolicy, retry
 from lightning_sdk.errors import AttemptNotRunningError, LightningSDKError, StoreUnavailableError
+from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.types import Attempt, AttemptStatus, Call
 
 __all__ = ["CommitWriter", "SharedStore", "is_shared"]
@@ -56,8 +61,17 @@ def is_shared(store: object) -> bool:
 class CommitWriter:
     """Commit calls in batches and tell each caller when its call is in the store (see the module docstring)."""
 
-    def __init__(self, store: SharedStore, *, max_batch: int = 256, retries: int = 3, retry_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        store: SharedStore,
+        *,
+        max_batch: int = 256,
+        retries: int = 3,
+        retry_s: float = 0.2,
+        metrics: OpsMetrics | None = None,
+    ) -> None:
         self.store = store
+        self.metrics = metrics  # committed batches count as the recorder's do: write seconds, calls, store errors
         self.max_batch = max_batch
         self.retry_policy = RetryPolicy(retries=retries, backoff_s=retry_s)
         self._queue: list[tuple[Call, asyncio.Future[None]]] = []
@@ -124,14 +138,24 @@ class CommitWriter:
                 raise
 
     async def _record(self, calls: list[Call]) -> None:
-        await retry(
-            lambda: self.store.record_calls(calls, running_only=True),
-            policy=self.retry_policy,
-            retry_if=lambda exc: isinstance(exc, StoreUnavailableError),
-            what=f"record {len(calls)} calls",
-        )
+        t0 = time.perf_counter()
+        try:
+            await retry(
+                lambda: self.store.record_calls(calls, running_only=True),
+                policy=self.retry_policy,
+                retry_if=lambda exc: isinstance(exc, StoreUnavailableError),
+                what=f"record {len(calls)} calls",
+            )
+        except AttemptNotRunningError:
+            raise  # the barrier refused it (an ended attempt): not a store error
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.store_error("record_batch")
+            raise
         self.batches += 1
         self.written += len(calls)
+        if self.metrics is not None:
+            self.metrics.record_written(time.perf_counter() - t0, len(calls), 0)
 
 
 def _settle(batch: list[tuple[Call, asyncio.Future[None]]], exc: BaseException | None) -> None:

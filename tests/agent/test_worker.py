@@ -219,3 +219,44 @@ async def test_release_kills_a_running_command_agent(tmp_path: Path) -> None:
         pid = int(pidfile.read_text())
         await until_async(lambda: not Path(f"/proc/{pid}").exists(), timeout=10, what="the agent's process to end")
         assert (await st.store.counts()).get("queued") == 1
+
+
+async def test_release_right_after_a_claim_hands_back_the_attempt_that_never_started(tmp_path: Path) -> None:
+    """``stop(release=True)`` landing between a claim and the first step of its task: the task is cancelled before
+    its coroutine runs, so nothing inside it can release the attempt. The pool releases it itself: the rollout is
+    queued again at once (not held until its lease expires), and the result says ``released``. Before the fix the
+    attempt stayed ``running`` with a 300 s lease and run_until returned no result for it."""
+    ran: list[str] = []
+
+    @la.rollout
+    async def agent(task: dict[str, str], llm: la.LLM) -> float:
+        ran.append(task["q"])
+        return 1.0
+
+    async with proxy_stack(tmp_path) as st:
+        await st.store.enqueue([{"q": "1"}], split="r")
+        pool: la.WorkerPool | None = None
+
+        class StopAfterClaim:
+            """The real store; its ``claim`` schedules the release to run right after the claim returns (before
+            the attempt's task takes its first step)."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(st.store, name)
+
+            async def claim(self, *args: object, **kwargs: object) -> object:
+                got = await st.store.claim(*args, **kwargs)  # type: ignore[arg-type]
+                if got is not None:
+                    assert pool is not None
+                    asyncio.get_running_loop().call_soon(lambda: pool.stop(release=True))
+                return got
+
+        pool = la.WorkerPool(agent, StopAfterClaim(), st.url, n_workers=1, split="r", poll_s=0.05, lease_s=300)  # type: ignore[arg-type]
+        results = await asyncio.wait_for(pool.run_until(), 30)
+        await pool.close()
+        assert ran == []  # the agent never ran
+        assert [r.status for r in results] == ["released"]
+        counts = await st.store.counts()
+        assert counts.get("queued") == 1 and not counts.get("running")
+        page, _ = await st.store.list_rollouts(status=RolloutStatus.QUEUED)
+        assert [r.attempts_used for r in page] == [0]

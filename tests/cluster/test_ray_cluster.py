@@ -123,8 +123,7 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
             # the learner is an actor of its own on the node with the "trainer" resource, not the daemon
             assert learner["pid"] in cluster.nodes[0].pids() and learner["pid"] != proc.pid
             daemon_url = json.loads((run / "daemon.json").read_text())["url"]
-            # the worker actors call the proxy actor: it served the calls, the daemon's own proxy none (a shared
-            # store's calls are committed by the proxy's CommitWriter, which recorded_total does not count)
+            # the worker actors call the proxy actor: it served the calls, the daemon's own proxy none
             served = lambda: _metric(proxy["url"], "lightning_sdk_calls_total", status="200") > 0  # noqa: E731
             _wait("the proxy actor's first calls", served, proc, log, timeout=180)
             assert _metric(daemon_url, "lightning_sdk_calls_total") == 0

@@ -9,7 +9,9 @@ server, tests/conftest.py) in front of one loopback mock upstream serve the same
   call lost, none recorded twice, every recorded call's ids and answer exactly what the agent got;
 - a call committed by a proxy SIGKILLed before it answered (the window held open with a synchronous-standby wait)
   and re-sent by the agent with the same ``Idempotency-Key``: one record;
-- a stream cut by a proxy SIGKILLed mid-stream: no record of it, the agent's call made again recorded once.
+- a stream cut by a proxy SIGKILLed mid-stream: no record of it, the agent's call made again recorded once;
+- a stream is committed before its end: while its commit waits the agent has every content chunk but not the end,
+  and a proxy SIGKILLed in that wait leaves the agent a failed stream (never a whole answer with no record).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_sdk.agent import LLM
 from lightning_sdk.store.postgres import PostgresStore
@@ -118,6 +121,7 @@ def test_an_attempts_calls_alternate_between_two_proxies(
     proxies: tuple[ProxyProcess, ProxyProcess], mock: MockOpenAI, postgres_url: str
 ) -> None:
     a, b = proxies
+    before = [_recorded(p) for p in (a, b)]
     s = httpx.post(a.url + "/lightning/v1/sessions", json={"task": {"q": 1}}, headers=ADMIN).json()
     auth = {"Authorization": f"Bearer {s['token']}"}
     ids = []
@@ -137,6 +141,22 @@ def test_an_attempts_calls_alternate_between_two_proxies(
         assert (c.prompt_ids, c.completion_ids, c.logprobs) == (prompt, completion, logprobs)
     late = httpx.post(a.url + "/v1/chat/completions", json={"model": "policy", "messages": _messages(0)}, headers=auth)
     assert late.status_code == 409  # a finished on b: a may still trust its cache, the store refuses the call
+    # each proxy's /metrics counts the calls it committed (the refused one is neither recorded nor a store error)
+    after = [_recorded(p) for p in (a, b)]
+    assert [(x[0] - y[0], x[1] - y[1]) for x, y in zip(after, before, strict=True)] == [(5, 0), (5, 0)]
+
+
+def _recorded(proxy: ProxyProcess) -> tuple[float, float]:
+    """``(lightning_sdk_recorded_total{kind="call"}, lightning_sdk_store_errors_total)`` scraped from ``proxy``."""
+    text = httpx.get(proxy.url + "/metrics").text
+    recorded = errors = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "lightning_sdk_recorded_total" and sample.labels.get("kind") == "call":
+                recorded += sample.value
+            elif sample.name == "lightning_sdk_store_errors_total":
+                errors += sample.value
+    return recorded, errors
 
 
 def test_finish_raced_against_calls_on_the_other_proxy(
@@ -292,10 +312,10 @@ def test_a_call_committed_by_a_proxy_killed_before_it_answered_is_recorded_once(
 def test_a_stream_cut_by_a_proxy_killed_mid_stream_is_not_recorded_and_its_retry_is_once(
     mock: MockOpenAI, postgres_server: PostgresServer
 ) -> None:
-    """A streamed call is committed after its last chunk (proxy/_shared.py): proxy A SIGKILLed mid-stream leaves no
-    record of it at all (nothing half-recorded can be trained), the agent's stream fails, and the call it makes
-    again (failing over to B) is the one it used: recorded once, whole, with exactly the text the agent read; B's
-    finish counts one call."""
+    """A streamed call is committed after its last content chunk (proxy/_shared.py): proxy A SIGKILLed mid-stream
+    leaves no record of it at all (nothing half-recorded can be trained), the agent's stream fails, and the call it
+    makes again (failing over to B) is the one it used: recorded once, whole, with exactly the text the agent read;
+    B's finish counts one call."""
     db = "lsdk_cut_stream"
     url = postgres_server.create_db(db)
     mock.chunk_delay_s, mock.chunk_tokens = 0.2, 1  # ~one token a chunk, slow enough to be killed in the middle
@@ -349,6 +369,100 @@ def test_a_stream_cut_by_a_proxy_killed_mid_stream_is_not_recorded_and_its_retry
                 b.stop()
     finally:
         mock.chunk_delay_s, mock.chunk_tokens = 0.0, MockOpenAI().chunk_tokens
+        postgres_server.drop_db(db)
+
+
+def test_a_stream_ends_only_once_its_call_is_committed(mock: MockOpenAI, postgres_server: PostgresServer) -> None:
+    """A shared store commits a streamed call after its last content chunk and before the event that ends the
+    stream (proxy/_shared.py), held open for real with a synchronous-standby wait at the commit: the agent has read
+    every content chunk (the whole text) but its stream has not ended while the commit waits; released, the stream
+    ends and the call is in the store with exactly the text read. Then the same wait with proxy A SIGKILLed in it:
+    the agent's stream fails (it never holds a whole answer whose call is not recorded), and the call A committed is
+    there whole. On the code before (the final event sent, then the commit) the first stream ended during the wait."""
+    db = "lsdk_stream_commit"
+    url = postgres_server.create_db(db)
+    admin = psycopg.connect(postgres_server.url(), autocommit=True)
+    mock.chunk_delay_s, mock.chunk_tokens = 0.1, 1  # the content streams for a second or so: time to hold the commit
+    try:
+        postgres_server.sql(f'ALTER DATABASE "{db}" SET synchronous_commit = on')
+        with run_server(mock.app) as upstream:
+            a = ProxyProcess(upstream.url + "/v1", url)
+            try:
+                a.wait_healthy()
+                s = httpx.post(a.url + "/lightning/v1/sessions", json={"task": {"q": 1}}, headers=ADMIN).json()
+                llm = LLM(base_url=a.url + "/v1", api_key=s["token"])
+                read: dict[int, list[str]] = {}
+                ended: dict[int, str] = {}
+
+                async def agent(i: int) -> None:
+                    client = llm.async_openai_client(max_retries=0, timeout=60)
+                    read[i] = []
+                    try:
+                        stream = await client.chat.completions.create(
+                            model="policy", messages=_messages(i), stream=True
+                        )  # type: ignore[arg-type]
+                        async for chunk in stream:
+                            read[i].append((chunk.choices[0].delta.content or "") if chunk.choices else "")
+                        ended[i] = "ended"
+                    except Exception as exc:  # the cut stream
+                        ended[i] = type(exc).__name__
+                    finally:
+                        await client.close()
+
+                async def hold_commit(task: asyncio.Task[None]) -> None:
+                    async def until_waiting(reserving: bool, waiting: bool = True) -> None:
+                        def seen() -> bool:
+                            assert not task.done(), f"the stream ended before the standby wait was {waiting}"
+                            return _backend_waiting(admin, db, reserving=reserving) == waiting
+
+                        await until_async(seen, timeout=60, what=f"the standby wait {waiting}", every=0.01)
+
+                    _standby(admin, "nobody")
+                    await until_waiting(True)  # the call's reserve_seq: let it through, then hold its commit
+                    _standby(admin, "")
+                    await until_waiting(True, waiting=False)
+                    _standby(admin, "nobody")
+                    await until_waiting(False)
+
+                def whole(i: int) -> str:
+                    return mock.reply_for({"messages": _messages(i)}).text
+
+                async def run() -> None:
+                    task = asyncio.create_task(agent(1))
+                    await hold_commit(task)
+                    # the commit waits: every content chunk has arrived, the stream has not ended
+                    await until_async(lambda: "".join(read[1]) == whole(1), timeout=30, what="the whole text")
+                    assert not task.done() and 1 not in ended
+                    _standby(admin, "")
+                    await asyncio.wait_for(task, 60)
+                    assert ended[1] == "ended"
+                    # the same wait, and the proxy dies in it
+                    task = asyncio.create_task(agent(2))
+                    await hold_commit(task)
+                    await until_async(lambda: "".join(read[2]) == whole(2), timeout=30, what="the whole text")
+                    a.proc.send_signal(signal.SIGKILL)
+                    assert a.proc.wait(timeout=30) == -signal.SIGKILL
+                    _standby(admin, "")
+                    await asyncio.wait_for(task, 60)
+                    assert ended[2] not in ("ended", None), "a stream whose proxy died before its end ended normally"
+
+                asyncio.run(run())
+                calls = _read(url, s["rollout_id"]).attempts[0].calls
+                assert [c.seq for c in calls] == [0, 1]
+                for c, i in zip(calls, (1, 2), strict=True):
+                    prompt, completion, logprobs, _ = mock.expected_ids(
+                        _messages(i), mock.reply_for({"messages": _messages(i)})
+                    )
+                    assert (c.prompt_ids, c.completion_ids, c.logprobs) == (prompt, completion, logprobs)
+                    assert c.error is None and c.response["choices"][0]["message"]["content"] == whole(i)
+            finally:
+                a.stop()
+    finally:
+        mock.chunk_delay_s, mock.chunk_tokens = 0.0, MockOpenAI().chunk_tokens
+        _standby(admin, "")
+        admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        admin.execute("SELECT pg_reload_conf()")
+        admin.close()
         postgres_server.drop_db(db)
 
 
