@@ -513,21 +513,7 @@ async def _serve(
     first_at: float | None = None
     task = asyncio.current_task()
     stream = bool(body.get("stream"))
-    call: Call | None = None
-    recorded = False
-
-    async def commit_stream(res: ChatResult) -> ProxyHTTPError | None:
-        # a shared store: a stream's call is committed after its last content chunk, before its final event
-        nonlocal call, recorded
-        assert ctx is not None
-        recorded = True
-        try:
-            call = await record_call(proxy, state, ctx, adapter.recorded(t, body, res), res, None, adapter.chat,
-                                     started)  # fmt: skip
-        except LightningSDKError as exc:  # its attempt ended on another proxy, or the store failed
-            return refusal(exc)
-        return None
-
+    commit: _StreamCommit | None = None
     try:
         seq = await state.take_seq(proxy.store)
         if proxy.shared is not None:  # unique across the proxies serving this attempt (proxy/_shared.py)
@@ -560,7 +546,8 @@ async def _serve(
                 if start is not None:  # time to the first chunk: only the observers' events carry it
                     first_at = time.perf_counter()
                 events = adapter.stream_events(t, ctx)
-                commit = commit_stream if proxy.commits is not None else None
+                if proxy.commits is not None:  # a shared store: committed before the stream's final event
+                    commit = _StreamCommit(proxy, state, ctx, adapter, t, body, started)
                 result, error = await _relay(out, events, first, items, ctx.call_id, commit)
             elif adapter.chat:
                 result = await backend.chat(t.chat, ctx)
@@ -576,6 +563,10 @@ async def _serve(
         if task is not None:
             state.tasks.discard(task)
     call_id = ctx.call_id if ctx is not None else None
+    call: Call | None = None
+    recorded = False
+    if commit is not None and commit.done:
+        call, recorded = commit.call, True
     if proxy.commits is not None and error is None and result is not None and not stream and ctx is not None:
         # a shared store: the call is committed, then answered (proxy/_shared.py)
         try:
@@ -618,6 +609,38 @@ async def _serve(
             first_at - t0 if first_at is not None else None, duration,
         )  # fmt: skip
         notify_ended(proxy.observers, end)
+
+
+class _StreamCommit:
+    """A shared store's commit of a streamed call, run by ``_relay`` after the last content chunk and before the
+    stream's final event (``done``: it ran, so the call is recorded or was refused; ``call``: the committed one)."""
+
+    __slots__ = ("adapter", "body", "call", "ctx", "done", "proxy", "started", "state", "t")
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        state: AttemptState,
+        ctx: CallContext,
+        adapter: Adapter,
+        t: Translation,
+        body: dict[str, Any],
+        started: float,
+    ) -> None:
+        self.proxy, self.state, self.ctx, self.adapter, self.t = proxy, state, ctx, adapter, t
+        self.body, self.started = body, started
+        self.call: Call | None = None
+        self.done = False
+
+    async def __call__(self, result: ChatResult) -> ProxyHTTPError | None:
+        self.done = True
+        a = self.adapter
+        try:
+            self.call = await record_call(self.proxy, self.state, self.ctx, a.recorded(self.t, self.body, result),
+                                          result, None, a.chat, self.started)  # fmt: skip
+        except LightningSDKError as exc:  # its attempt ended on another proxy, or the store failed
+            return refusal(exc)
+        return None
 
 
 def _open_stream(
