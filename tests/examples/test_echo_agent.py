@@ -51,18 +51,18 @@ def test_the_reward_is_the_required_form_only() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_shortened_run_trains_the_adapter_and_measures_the_heldout_set(tmp_path: Path) -> None:
-    """``lightning-sdk train examples/echo_agent`` with fewer, smaller steps and 24 held-out tasks: every step trains
-    records, the merged model differs from the base only in the LoRA-targeted attention projections, and both
-    held-out evaluations ran exactly the configured 24 tasks."""
+    """``lightning-sdk train examples/echo_agent`` with 4 small steps and 24 held-out tasks: records are trained
+    (groups with a reward spread), the merged model differs from the base only in the LoRA-targeted attention
+    projections, and both held-out evaluations ran exactly the configured 24 tasks."""
     from lightning_sdk.policy import smollm2
 
     out = tmp_path / "run"
     overrides = {
-        "rl.steps": 3,
-        "rl.tasks_per_step": 4,
+        "rl.steps": 4,
+        "rl.tasks_per_step": 8,
         "rl.samples_per_task": 4,
+        "rl.temperature": 0.6,  # base success ~4% per rollout: 128 rollouts all failing is ~0.5% likely
         "rl.workers": 16,
-        "rl.drop_zero_variance": False,
         "rl.target_gain": None,
         "rl.max_wall_s": None,
         "eval.n": 24,
@@ -79,13 +79,13 @@ def test_a_shortened_run_trains_the_adapter_and_measures_the_heldout_set(tmp_pat
     )
     assert proc.returncode == 0, proc.stdout.decode(errors="replace")[-4000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 3
+    assert summary["steps"] == 4
     for key in ("eval_before", "eval_after"):
         assert summary[key]["n"] == 24 and summary[key]["succeeded"] == 24, summary[key]
         assert 0.0 <= summary[key]["success_rate"] <= 1.0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(r["records"] > 0 for r in rows), [r["records"] for r in rows]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert sum(r["records"] for r in rows) > 0, "no group had a reward spread: nothing trained"
 
     base = load_file(str(smollm2.prepare_smollm2() / "model.safetensors"))
     trained = load_file(str(out / "model" / "model.safetensors"))
