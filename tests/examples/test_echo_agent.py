@@ -5,7 +5,6 @@ configured ``n``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,17 +15,14 @@ from types import ModuleType
 import pytest
 from safetensors.torch import load_file
 
+from lightning_sdk.agent.loader import import_path
 from tests.trainer.tiny import CLI, ROOT
 
 EXAMPLE = ROOT / "examples" / "echo_agent"
 
 
 def _tasks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("echo_tasks", EXAMPLE / "tasks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_path(EXAMPLE / "tasks.py")  # as `lightning-sdk train` loads "tasks.py:train_tasks"
 
 
 def test_heldout_words_are_never_asked_for_in_training() -> None:
