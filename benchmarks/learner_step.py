@@ -18,6 +18,8 @@ hits them alike and torch's per-thread settings do not leak):
 - ``bf16``: the defaults with ``precision = "bf16"`` (autocast);
 - ``t1`` / ``t2``: the defaults with ``threads = 1`` / ``2``; ``bf16t1``: bf16 on one thread;
 - ``fused``: the defaults with torch's fused AdamW kernel (``fused=True``) instead of its per-tensor loop;
+- ``allcols``: the defaults with the output head and softmax over every column, prompt included (the code before
+  ``keep_from``: the learner now starts them at the micro-batch's first trained token);
 - ``compile`` / ``bf16compile``: the model wrapped by ``torch.compile(dynamic=True)`` (fp32 / bf16); its compile
   time is inside the first repeat's seconds (the later repeats reuse torch's compile cache of this process).
 
@@ -43,6 +45,7 @@ from typing import Any
 
 import torch
 
+import lightning_sdk.trainer.learner as learner_module
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.records import AdvantageConfig, RecordsConfig, build_records
 from lightning_sdk.records.record import Record
@@ -61,6 +64,7 @@ MODES: dict[str, dict[str, Any]] = {
     "fused": {"_fused_adamw": True},
     "compile": {"_compile": True},
     "bf16compile": {"precision": "bf16", "_compile": True},
+    "allcols": {"_all_columns": True},
 }
 BEFORE = "separate"
 
@@ -111,10 +115,16 @@ def time_mode(
         learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, learner._lr_factor)
     if hooks.get("_compile"):
         learner.model = torch.compile(learner.model, dynamic=True)  # type: ignore[assignment]
-    t0, c0 = time.perf_counter(), time.process_time()
-    losses = [learner.step(records)["loss"] for records in work]
-    seconds = (time.perf_counter() - t0) / len(work)
-    cpu_s = (time.process_time() - c0) / len(work)
+    first = learner_module.first_trained
+    if hooks.get("_all_columns"):
+        learner_module.first_trained = lambda _mask: 0  # type: ignore[assignment]
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses = [learner.step(records)["loss"] for records in work]
+        seconds = (time.perf_counter() - t0) / len(work)
+        cpu_s = (time.process_time() - c0) / len(work)
+    finally:
+        learner_module.first_trained = first
     return (seconds, cpu_s), losses, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
 

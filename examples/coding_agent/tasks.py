@@ -8,7 +8,8 @@ training, not even as a neighbour in a train repository.
 A task (``make_task``):
 
 * ``repo`` — the repository state the sandbox is created from: ``mathkit/__init__.py`` and ``mathkit/MODULE.py``
-  with four functions of the task's split, one of them carrying the bug (``tests/`` is NOT in it);
+  with four functions of the task's split, one of them carrying the bug, and ``build/lib/mathkit/MODULE.py``, a
+  stale build copy of that module (``tests/`` is NOT in it);
 * ``bug_kind`` — one of ``BUG_KINDS``: swapped operator (``+``/``-``), off-by-one bound (``n + 1`` -> ``n``, or a
   ``- 1`` dropped), inverted comparison (``<`` -> ``>=`` ...), wrong variable returned, missing negation (``not``
   dropped), swapped boolean operator (``and``/``or``);
@@ -18,7 +19,8 @@ A task (``make_task``):
 
 ``demonstration(task)``: the episode the warm start imitates — locate the function with ``grep``, fix the line
 with a one-line ``sed`` substitution, ``submit``. ``demonstrations()`` are of mixed quality: in ``WRONG_FILE_SHARE``
-(60%) of them the (correct) substitution is applied to the package's ``__init__.py`` instead of the file grep showed.
+(65%) of them the (correct) substitution is applied to the module's stale build copy (``build/lib/mathkit/MODULE.py``,
+in every repository) instead of the file grep showed.
 """
 
 from __future__ import annotations
@@ -400,7 +402,8 @@ def _make(
         "module": module,
         "path": path,
         "issue": issue,
-        "repo": {f"{PACKAGE}/__init__.py": "", path: text},
+        # build/lib/: a stale copy of the module, as a build leaves one (the tests import the package's own module)
+        "repo": {f"{PACKAGE}/__init__.py": "", path: text, f"{STALE_DIR}/{path}": text},
         "neighbours": [fn.name for fn in fns if fn is not target],
         "FAIL_TO_PASS": f2p,
         "PASS_TO_PASS": p2p,
@@ -512,17 +515,25 @@ def heldout_tasks() -> list[dict[str, Any]]:
     return make_tasks("heldout", 200, seed=2)
 
 
-WRONG_FILE_SHARE = 0.6
-WRONG_FILE = f"{PACKAGE}/__init__.py"
+WRONG_FILE_SHARE = 0.8
+STALE_DIR = "build/lib"
+
+
+def stale_copy(task: dict[str, Any]) -> str:
+    """The stale build copy of the task's module (``build/lib/mathkit/MODULE.py``, in every task's repository): an
+    edit there changes nothing the tests import."""
+    return f"{STALE_DIR}/{task['path']}"
 
 
 def demonstrations() -> list[dict[str, Any]]:
-    """Mixed quality, like traces of a careless agent: every demonstration has the reference substitution, but in
-    ``WRONG_FILE_SHARE`` of them sed is pointed at ``WRONG_FILE`` (the package's ``__init__.py``) instead of the
-    file grep showed, which changes nothing (reward 0). Which file to edit is what RL finds out."""
+    """Mixed quality, like traces of a careless agent: every demonstration has the reference substitution on the
+    path grep showed, but in ``WRONG_FILE_SHARE`` of them sed is pointed at that module's stale build copy
+    (``stale_copy``: ``build/lib/`` before the path) instead, which changes nothing the tests import (reward 0).
+    Whether to edit the source or the copy is one choice, at the path's first token, that RL finds out; every
+    demonstration teaches the rest (copy the path, write the fix)."""
     rng = random.Random(4)
     return [
-        demonstration(t, fix, WRONG_FILE if rng.random() < WRONG_FILE_SHARE else None)
+        demonstration(t, fix, stale_copy(t) if rng.random() < WRONG_FILE_SHARE else None)
         for t, fix in make_tasks_with_fixes("train", 1500, seed=3)
     ]
 

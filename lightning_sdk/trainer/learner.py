@@ -163,31 +163,60 @@ def token_logprobs(
     temperature: float = 1.0,
     *,
     prefix: int = 0,
+    keep_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each token given its prefix, and the entropy of each predictive distribution.
 
     Returns two [B, T-1] tensors aligned with ``input_ids[:, 1:]``. ``prefix > 0`` says that every row starts with
     the same ``prefix`` tokens: they go through the model once and their keys/values serve every row (the result
-    equals the plain forward pass up to float rounding, gradients included).
+    equals the plain forward pass up to float rounding, gradients included). ``keep_from > 0`` says that no column
+    before it is wanted (the first trained token is ``input_ids[:, keep_from + 1]``): the output head and the
+    softmax run only from there (``logits_to_keep``) and the columns before it are 0, which on a long prompt with a
+    large vocabulary saves most of the step's memory and time.
     """
-    logits = _logits(model, input_ids, attention_mask, prefix)[:, :-1, :].float()
+    width = input_ids.shape[1]
+    keep_from = min(max(keep_from, 0), width - 1)
+    logits = _logits(model, input_ids, attention_mask, prefix, keep_from)[:, :-1, :].float()
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = torch.gather(logp_all, -1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = torch.gather(logp_all, -1, input_ids[:, keep_from + 1 :].unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if keep_from:
+        logp = torch.nn.functional.pad(logp, (keep_from, 0))
+        entropy = torch.nn.functional.pad(entropy, (keep_from, 0))
     return logp, entropy
 
 
-def _logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int) -> torch.Tensor:
-    rows = input_ids.shape[0]
-    if prefix <= 0 or rows < 2 or prefix >= input_ids.shape[1]:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits  # type: ignore[no-any-return]
-    head = model(input_ids=input_ids[:1, :prefix], use_cache=True)
+def first_trained(loss_mask: torch.Tensor) -> int:
+    """The first column of ``token_logprobs``' output that any row of ``loss_mask`` ([B, T]) trains: its
+    ``keep_from`` (0 when no token is trained, or the first is the second token)."""
+    cols = torch.nonzero(loss_mask[:, 1:].any(0), as_tuple=False)
+    return int(cols[0, 0].item()) if cols.numel() else 0
+
+
+def _logits(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, keep_from: int = 0
+) -> torch.Tensor:
+    """Logits of the positions ``keep_from`` .. T-1 (``logits_to_keep``: never 0, which would mean all)."""
+    rows, width = input_ids.shape
+    if prefix <= 0 or rows < 2 or prefix >= width:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width - keep_from)
+        return out.logits  # type: ignore[no-any-return]
+    # the shared head's logits are wanted only where it holds kept positions; else one position, dropped
+    head = model(input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=max(prefix - keep_from, 1))
     cache = head.past_key_values
     cache.batch_repeat_interleave(rows)  # new tensors in the graph: the gradient flows back to the shared head
-    tail = model(input_ids=input_ids[:, prefix:], attention_mask=attention_mask, past_key_values=cache, use_cache=False)
+    tail = model(
+        input_ids=input_ids[:, prefix:],
+        attention_mask=attention_mask,
+        past_key_values=cache,
+        use_cache=False,
+        logits_to_keep=width - max(prefix, keep_from),
+    )
+    if keep_from >= prefix:
+        return tail.logits  # type: ignore[no-any-return]
     return torch.cat([head.logits.expand(rows, -1, -1), tail.logits], dim=1)
 
 
@@ -340,10 +369,12 @@ class Learner:
             attn = batch.attention_mask[rows]
             width = int(attn.sum(-1).max().item())
             ids = batch.input_ids[rows][:, :width].to(self.device)
+            keep = first_trained(batch.loss_mask[rows][:, :width])
             with self._autocast():
                 logp, _ = token_logprobs(
-                    self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix
-                )
+                    self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix,
+                    keep_from=keep,
+                )  # fmt: skip
             out[rows, : width - 1] = logp.float().cpu()
         return out
 
@@ -373,8 +404,9 @@ class Learner:
             mask = batch.loss_mask[rows][:, 1:width].to(self.device).float()
             rollout_lp = batch.logprobs[rows][:, 1:width].to(self.device).float()
             adv = batch.advantages[rows][:, 1:width].to(self.device).float()
+            start = first_trained(batch.loss_mask[rows][:, :width])
             with self._autocast():
-                logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature, prefix=prefix)
+                logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature, prefix=prefix, keep_from=start)
             old = logp.detach() if old_all is None else old_all[rows][:, : width - 1].to(self.device)
             if keep is not None:
                 keep[rows, : width - 1] = logp.detach().float().cpu()
@@ -383,7 +415,9 @@ class Learner:
             per_token = per_token * is_weight
             if self.reference is not None:
                 with torch.no_grad(), self._autocast():
-                    ref_lp, _ = token_logprobs(self.reference, ids, attn, cfg.temperature, prefix=prefix)
+                    ref_lp, _ = token_logprobs(
+                        self.reference, ids, attn, cfg.temperature, prefix=prefix, keep_from=start
+                    )
                 log_r = ref_lp - logp
                 kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, non-negative
                 per_token = per_token + cfg.kl_coef * kl

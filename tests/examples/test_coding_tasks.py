@@ -42,7 +42,8 @@ def test_all_bug_kinds_are_generated_and_balanced(train: list[tuple[dict[str, An
 
 def test_a_task_is_a_repository_an_issue_and_test_lists(train: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
     task, fix = train[0]
-    assert set(task["repo"]) == {"mathkit/__init__.py", task["path"]}
+    assert set(task["repo"]) == {"mathkit/__init__.py", task["path"], f"build/lib/{task['path']}"}
+    assert task["repo"][f"build/lib/{task['path']}"] == task["repo"][task["path"]]  # the stale copy, bug included
     assert not any(p.startswith("tests/") for p in task["repo"])
     f2p = task["FAIL_TO_PASS"][0]
     assert task["issue"].startswith(f"FAILED {f2p}\n>       assert {task['function']}(")
@@ -129,19 +130,19 @@ def test_episode_fits_the_tiny_context() -> None:
 
 async def test_demonstrations_point_the_fix_at_the_wrong_file_in_the_stated_share(tmp_path: Path) -> None:
     """``demonstrations()``: every one carries the reference substitution; ``WRONG_FILE_SHARE`` of them (within
-    sampling error) point sed at ``WRONG_FILE``, which, played for real in a sandbox, leaves the bug (reward 0) where
-    the same substitution on the file grep showed resolves it (1.0)."""
+    sampling error) point sed at the module's stale build copy (``stale_copy``), which, played for real in a
+    sandbox, leaves the bug (reward 0) where the same substitution on the file grep showed resolves it (1.0)."""
     demos = T.demonstrations()
     pairs = T.make_tasks_with_fixes("train", len(demos), seed=3)
     commands = [json.loads(d["messages"][4]["tool_calls"][0]["function"]["arguments"])["cmd"] for d in demos]
-    wrong = [cmd == T.fix_command(t, fix, T.WRONG_FILE) for cmd, (t, fix) in zip(commands, pairs, strict=True)]
+    wrong = [cmd == T.fix_command(t, fix, T.stale_copy(t)) for cmd, (t, fix) in zip(commands, pairs, strict=True)]
     right = [cmd == T.fix_command(t, fix) for cmd, (t, fix) in zip(commands, pairs, strict=True)]
     assert all(w != r for w, r in zip(wrong, right, strict=True))  # one or the other, always the reference OLD/NEW
     assert abs(sum(wrong) / len(demos) - T.WRONG_FILE_SHARE) < 0.04
     backend = LocalBackend(root=tmp_path / "boxes")
     submitted = json.dumps({"submitted": True, "turns": 3})
-    for path, expected in ((T.WRONG_FILE, 0.0), (None, 1.0)):
-        task, fix = pairs[0]
+    task, fix = pairs[0]
+    for path, expected in ((T.stale_copy(task), 0.0), (None, 1.0)):
         async with await backend.create(task["repo"]) as box:
             assert (await box.exec(T.fix_command(task, fix, path))).exit_code == 0
             assert await V.reward(task, submitted, 0, box) == expected

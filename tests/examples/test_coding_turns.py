@@ -65,7 +65,7 @@ async def test_the_fixing_call_gets_the_per_turn_reward_and_its_tokens_the_extra
     (dr_grpo, gamma 1): returns 2, 2, 1 for the first rollout's calls and 0, 0, 0 for the second's; the sed call's
     tokens carry advantage 2 - 5/6."""
     (task, fix), *_ = T.make_tasks_with_fixes("heldout", 1, seed=31)
-    good, wrong = T.fix_command(task, fix), T.fix_command(task, fix, T.WRONG_FILE)
+    good, wrong = T.fix_command(task, fix), T.fix_command(task, fix, T.stale_copy(task))
     renderer = renderer_for("qwen3")
     engine = ScriptedEngine(renderer, [*_episode(task, good, 1), *_episode(task, wrong, 2)])
     agent = _agent(tmp_path)

@@ -11,7 +11,14 @@ import torch
 
 from lightning_sdk.errors import ConfigError, TrainerError
 from lightning_sdk.policy.model import load_policy
-from lightning_sdk.trainer.learner import Learner, LearnerConfig, TrainBatch, cpu_has_bf16, token_logprobs
+from lightning_sdk.trainer.learner import (
+    Learner,
+    LearnerConfig,
+    TrainBatch,
+    cpu_has_bf16,
+    first_trained,
+    token_logprobs,
+)
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
 from tests.trainer.tiny import build_small_policy
 
@@ -273,8 +280,70 @@ def test_shared_prefix_gives_the_same_logprobs_and_update(policy_dir: Path) -> N
     assert a["loss"] != 0.0
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    for (k, pa), (_, pb) in zip(off.model.state_dict().items(), on.model.state_dict().items(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-6), k
+    _assert_same_update(model, off.model, on.model)
+
+
+def _assert_same_update(start: torch.nn.Module, a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """``a`` and ``b`` took the same optimizer update from ``start``: their weight changes agree to 1e-4 of the
+    update's norm, and no more than 1 in 5,000 weights differ by over 1e-6 (Adam's first step is about lr times the
+    gradient's sign, so a weight whose gradient is ~1e-9 in both may move either way on float rounding alone)."""
+    base = start.state_dict()
+    da = torch.cat([(v - base[k]).flatten() for k, v in a.state_dict().items()])
+    db = torch.cat([(v - base[k]).flatten() for k, v in b.state_dict().items()])
+    assert float(da.norm()) > 0
+    assert float((da - db).norm() / da.norm()) < 1e-4
+    assert int(((da - db).abs() > 1e-6).sum()) <= max(1, da.numel() // 5000)
+
+
+def test_keep_from_skips_the_untrained_columns_with_the_same_values_and_update(policy_dir: Path) -> None:
+    """``keep_from`` (the first trained column, ``first_trained``): the output head runs only from there; the kept
+    columns' log-probs, entropies and gradients equal the full pass's, with and without a shared prefix, and the
+    columns before it are 0. The learner's update with it moves the weights as the full pass did."""
+    model, _ = load_policy(policy_dir)
+    batch = _with_rollout_logprobs(model, _grouped_batch())
+    ids, attn, mask = batch.input_ids[:4], batch.attention_mask[:4], batch.loss_mask[:4]
+    keep = first_trained(mask)
+    assert keep == int(torch.nonzero(mask.any(0))[0, 0]) - 1 and keep > 0
+    assert first_trained(torch.zeros_like(mask)) == 0
+    cols = attn[:, 1:].bool()
+    cols[:, :keep] = False
+    assert keep < 12  # the four rows share a 12-token prompt
+    for prefix in (0, 12, keep - 2):  # no prefix, a shared prefix past the first kept column, one before it
+        full_model, kept_model = copy.deepcopy(model), copy.deepcopy(model)
+        full, full_ent = token_logprobs(full_model, ids, attn, prefix=prefix)
+        kept, kept_ent = token_logprobs(kept_model, ids, attn, prefix=prefix, keep_from=keep)
+        assert kept.shape == full.shape and kept_ent.shape == full_ent.shape
+        assert torch.allclose(full[cols], kept[cols], atol=1e-5), prefix
+        assert torch.allclose(full_ent[cols], kept_ent[cols], atol=1e-5), prefix
+        assert torch.count_nonzero(kept[:, :keep]) == 0 and torch.count_nonzero(full[:, :keep]) > 0
+        weights = mask[:, 1:] * torch.linspace(-1, 1, mask.shape[1] - 1)
+        (full * weights).sum().backward()
+        (kept * weights).sum().backward()
+        for (name, a), (_, b) in zip(full_model.named_parameters(), kept_model.named_parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None, name
+            assert torch.allclose(a.grad, b.grad, atol=1e-5), (prefix, name)
+
+    learner = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, warmup_steps=1, share_prefix=8))
+    plain = copy.deepcopy(learner)
+    calls: list[int] = []
+    real = token_logprobs
+
+    def full_pass(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(int(kwargs.pop("keep_from", 0)))  # type: ignore[call-overload]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    import lightning_sdk.trainer.learner as learner_module
+
+    a = learner.update(batch)
+    learner_module.token_logprobs = full_pass  # type: ignore[assignment]
+    try:
+        b = plain.update(batch)
+    finally:
+        learner_module.token_logprobs = real
+    assert calls and max(calls) > 0  # the update asked for the kept columns only
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["loss"] != 0.0
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    _assert_same_update(model, learner.model, plain.model)
 
 
 def test_an_update_sets_its_threads_intra_op_threads(policy_dir: Path) -> None:
