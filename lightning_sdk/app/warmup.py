@@ -57,5 +57,12 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
     if reset is not None:  # the supervised steps moved the weights the optimizer's moments were for
         reset()
     await loop.engine.update_weights(await asyncio.to_thread(loop.weights), loop.version)
-    note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s")
-    return {"steps": result.steps, "success": result.success, "history": result.history, "wall_s": result.wall_s}
+    threads = ", ".join(f"{n} from step {s}" for s, n in result.threads) or "as set"
+    note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s (threads: {threads})")
+    return {
+        "steps": result.steps,
+        "success": result.success,
+        "history": result.history,
+        "wall_s": result.wall_s,
+        "threads": result.threads,
+    }

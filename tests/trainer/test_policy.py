@@ -11,7 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_sdk.errors import TokenizationError
 from lightning_sdk.policy.model import load_policy
-from lightning_sdk.policy.warm_start import WarmStartConfig, render_demonstration, render_demonstration_rows, warm_start
+from lightning_sdk.policy.warm_start import (
+    ThreadChoice,
+    WarmStartConfig,
+    render_demonstration,
+    render_demonstration_rows,
+    warm_start,
+)
 from lightning_sdk.tokens import ChatRenderer, get_parser
 from tests.trainer.tiny import build_small_policy, calc_tasks
 
@@ -138,3 +144,49 @@ def test_demonstration_rows_match_the_single_row_when_nothing_merges(policy_dir:
     full = tok.apply_chat_template(demo["messages"], tools=demo["tools"], tokenize=True, return_dict=False)
     ids, _ = rows[0]
     assert full[: len(ids)] == ids  # the whole conversation up to the last EOS
+
+
+def test_thread_choice_measures_each_count_and_keeps_the_faster() -> None:
+    """Every ``every`` steps one step runs on each count (never the first step); the lower time per token wins."""
+    choice = ThreadChoice(None, every=5, most=2)
+    assert choice.candidates == [1, 2] and choice.threads_for(0) == 2  # the first step: allocations, not measured
+    assert [choice.threads_for(s) for s in range(1, 12)] == [1, 2, 2, 2, 2, 1, 2, 2, 2, 2, 1]
+    choice.observe(0, 2, 100.0, 1000)  # not a measuring step: ignored
+    choice.observe(1, 1, 1.0, 1000)
+    assert choice.chosen == 2 and choice.history == []  # one count measured: nothing chosen yet
+    choice.observe(2, 2, 3.0, 1000)  # two threads 3x slower per token (a busy machine)
+    assert choice.chosen == 1 and choice.history == [(3, 1)]
+    assert [choice.threads_for(s) for s in (3, 4, 5)] == [1, 1, 1]
+    choice.observe(6, 1, 2.0, 2000)  # 1 ms per token
+    choice.observe(7, 2, 0.5, 1000)  # 0.5 ms per token: the machine went quiet
+    assert choice.chosen == 2 and choice.history == [(3, 1), (8, 2)]
+    choice.observe(11, 1, 1.0, 1000)
+    choice.observe(12, 2, 0.6, 1000)  # still two: the history records only moves
+    assert choice.history == [(3, 1), (8, 2)]
+    fixed = ThreadChoice(1, every=5, most=2)
+    assert fixed.candidates == [1] and {fixed.threads_for(s) for s in range(12)} == {1}
+
+
+def test_warm_start_runs_on_the_chosen_threads_and_puts_the_count_back(policy_dir: Path) -> None:
+    """A fixed count is used for every step (read from inside the model's forward), the calling thread's count
+    is restored afterwards; unset, the steps measure both counts and the result says what was chosen."""
+    model, tok = load_policy(policy_dir)
+    tasks = calc_tasks()
+    demos = [tasks.demonstration(t) for t in tasks.make_tasks(16, "train", seed=3)]
+    seen: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _m, _a: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        cfg = WarmStartConfig(batch_size=4, max_steps=3, eval_every=100, threads=1)
+        assert warm_start(model, tok, demos, lambda _m: 0.0, cfg).threads == []
+        assert seen == [1, 1, 1] and torch.get_num_threads() == before
+        seen.clear()
+        auto = WarmStartConfig(batch_size=4, max_steps=7, eval_every=100, retune_every=3)
+        result = warm_start(model, tok, demos, lambda _m: 0.0, auto)
+    finally:
+        hook.remove()
+    most = max(1, before)
+    if most > 1:  # steps 1 and 4 on one thread, 2 and 5 on all: the measuring steps
+        assert seen[1] == 1 and seen[2] == most and seen[4] == 1 and seen[5] == most
+        assert result.threads and result.threads[0][0] == 3 and result.threads[0][1] in (1, most)
+    assert torch.get_num_threads() == before
