@@ -80,10 +80,12 @@ class ThreadChoice:
     barrier and the same step runs 3-4x slower than on one thread (measured: 0.54 vs 0.97 s a step quiet, 4.6 vs
     1.3 s with one other 2-thread job). So every ``every`` steps one step runs on each candidate count (real training
     steps, nothing wasted) and the count with the lower time per token is kept until the next measurement. The first
-    step (allocations, caches) is never a measurement. ``fixed`` turns the measuring off."""
+    step (allocations, caches) is never a measurement. ``fixed`` turns the measuring off. RL's counterpart, which
+    splits the cores between the learner and the engine once from its first steps, is
+    ``lightning_sdk.trainer.balance.ThreadBalance``."""
 
     def __init__(self, fixed: int | None, every: int, most: int) -> None:
-        self.candidates = [fixed] if fixed is not None else sorted({1, max(1, most)})
+        self.candidates = [fixed] if fixed is not None else sorted({1, most})
         self.every = every
         self.chosen = self.candidates[-1]
         self._probe: dict[int, float] = {}
@@ -227,20 +229,19 @@ def warm_start(
     success = 0.0
     step = 0
     stopped = False
-    choice = ThreadChoice(cfg.threads, cfg.retune_every, torch.get_num_threads())
     threads_before = torch.get_num_threads()  # torch keeps the count per calling thread: put it back at the end
+    choice = ThreadChoice(cfg.threads, cfg.retune_every, threads_before)
     try:
         while step < cfg.max_steps:
+            if should_stop is not None and should_stop():
+                stopped = True
+                logger.info("warm start stopped at step %d", step)
+                break
             n_threads = choice.threads_for(step)
             if torch.get_num_threads() != n_threads:
                 torch.set_num_threads(n_threads)
             t_step = time.perf_counter()
-            stepped = _supervised_step(model, optimizer, scheduler, rows, rng, cfg, pad, device, should_stop)
-            if stepped is None:
-                stopped = True
-                logger.info("warm start stopped at step %d", step)
-                break
-            loss, tokens = stepped
+            loss, tokens = _supervised_step(model, optimizer, scheduler, rows, rng, cfg, pad, device)
             choice.observe(step, n_threads, time.perf_counter() - t_step, tokens)
             step += 1
             loss_ok = cfg.eval_below_loss is None or loss <= cfg.eval_below_loss
@@ -273,12 +274,8 @@ def _supervised_step(
     cfg: WarmStartConfig,
     pad: int,
     device: torch.device,
-    should_stop: Callable[[], bool] | None,
-) -> tuple[float, int] | None:
-    """One supervised step on a random batch of ``rows``: (its loss, its padded tokens); None when
-    ``should_stop`` said so before it."""
-    if should_stop is not None and should_stop():
-        return None
+) -> tuple[float, int]:
+    """One supervised step on a random batch of ``rows``: its loss and its padded tokens."""
     model.train()
     chosen = rng.sample(rows, min(cfg.batch_size, len(rows)))
     width = max(len(ids) for ids, _ in chosen)
