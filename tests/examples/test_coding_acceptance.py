@@ -9,6 +9,7 @@ checks / after, phases, peak RSS of the command) to ``coding_agent.txt`` there, 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -68,7 +69,11 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     data = json.loads(report.read_text())
     merged = [r for r in data["rollouts"] if r["status"] == "succeeded"]
     assert merged and data["summary"]["split_reasons"] == {} and data["summary"]["truncated_segments"] == 0
-    assert all(r["segments"] == 1 and r["calls"] >= 2 for r in merged), [r for r in merged if r["segments"] != 1][:3]
+    assert all(r["segments"] == 1 for r in merged), [r for r in merged if r["segments"] != 1][:3]
+    # an episode may end after one call (an answer without a tool call, or ``submit`` at once: a policy can learn
+    # that), so not every rollout has two; but the merge must have been exercised on nearly all of them
+    multi = [r for r in merged if r["calls"] >= 2]
+    assert len(multi) >= 0.9 * len(merged), collections.Counter(r["calls"] for r in merged)
     lengths = [len(json.loads(line)["input_ids"]) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert lengths and max(lengths) <= CONTEXT
 
