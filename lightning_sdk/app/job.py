@@ -33,9 +33,10 @@ import torch
 
 from lightning_sdk.app.loop import TrainingLoop
 from lightning_sdk.app.parts import Parts, build_parts
-from lightning_sdk.app.server import ProxyServer, bind_socket
+from lightning_sdk.app.server import ProxyServer
 from lightning_sdk.app.view import MetricsLog, ProgressView
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.listen import bind_socket, socket_url
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.policy.prepare import prepare_policy
 from lightning_sdk.proxy.sampling import SplitSampling
@@ -125,7 +126,8 @@ async def open_job(
     t_start = time.perf_counter()
     sampling = split_sampling(config.rl, config.eval)
     out = prepare_run_dir(run_dir)
-    server = ProxyServer(bind_socket(config.host, config.port), config.host)
+    sock = bind_socket(config.host, config.port)
+    url = socket_url(sock, config.host)
     try:
         (out / "config.json").write_text(config.model_dump_json(indent=2))
         if config.threads:
@@ -166,7 +168,7 @@ async def open_job(
             )
             store = open_store(config.store.spec(out))
             loop = TrainingLoop.configured(
-                store, parts, out, config.rl, train_tasks=tasks.train, url=server.url, max_attempts=max_attempts
+                store, parts, out, config.rl, train_tasks=tasks.train, url=url, max_attempts=max_attempts
             )
             key = admin_key or secrets.token_urlsafe(24)
             try:
@@ -175,7 +177,8 @@ async def open_job(
                 ops.served_version_from(lambda: parts.engine.policy_version)
                 loop.ops = ops
                 loop.telemetry = telemetry = open_telemetry(config.telemetry)  # None unless [telemetry] / OTEL_* set
-                await server.start(
+                server = ProxyServer(sock, config.host)
+                async with server.serving(
                     store,
                     parts.engine,
                     parts.renderer or parts.engine.tokenizer,
@@ -184,19 +187,22 @@ async def open_job(
                     metrics=ops,
                     run_dir=out,
                     telemetry=telemetry,
-                )
-                logger.info("serving on %s (policy version %d, step %d)", server.url, loop.version, loop.step)
-                (out / "daemon.json").write_text(json.dumps({"url": server.url, "admin_key": key}))
-                view.note(f"proxy on {server.url} (admin key in {out / 'daemon.json'})")
-                if on_ready is not None:
-                    on_ready(server.url, key)
-                job = Job(config, out, loop, parts, server, sampling, key, view, metrics, tasks, resumed, t_start)
-                job.model_dir = model_dir
-                job.mark("startup_s")
-                yield job
-            finally:  # the workers are done (or released their attempts) by now: the proxy stops first of the rest
-                await loop.flush_weights()
-                await server.stop()
+                ):
+                    try:
+                        logger.info("serving on %s (policy version %d, step %d)", url, loop.version, loop.step)
+                        (out / "daemon.json").write_text(json.dumps({"url": url, "admin_key": key}))
+                        view.note(f"proxy on {url} (admin key in {out / 'daemon.json'})")
+                        if on_ready is not None:
+                            on_ready(url, key)
+                        job = Job(
+                            config, out, loop, parts, server, sampling, key, view, metrics, tasks, resumed, t_start
+                        )
+                        job.model_dir = model_dir
+                        job.mark("startup_s")
+                        yield job
+                    finally:  # the workers are done (or released their attempts) by now: the proxy stops next
+                        await loop.flush_weights()
+            finally:
                 if loop.telemetry is not None:  # export what is queued (the SDK's thread; bounded by its timeout)
                     await asyncio.to_thread(loop.telemetry.shutdown)
                 await parts.close()
@@ -204,4 +210,4 @@ async def open_job(
         finally:
             metrics.close()
     finally:
-        server.close_socket()
+        sock.close()

@@ -15,9 +15,10 @@ under the new number).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -28,8 +29,12 @@ from lightning_sdk.errors import EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import PolicySettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, lora_config
+from lightning_sdk.trainer.parts import Parts
 
-__all__ = ["PolicyEngines", "PolicyLearners", "PolicySettings", "build_policies", "save_policies"]
+if TYPE_CHECKING:
+    from lightning_sdk.tokens import ChatRenderer
+
+__all__ = ["PolicyEngines", "PolicyLearners", "PolicySettings", "build_policies", "policy_parts", "save_policies"]
 
 
 class PolicyLearners:
@@ -107,6 +112,32 @@ class PolicyEngines(Engine):
 
     async def close(self) -> None:
         await self.base.close()
+
+
+def policy_parts(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    renderer: ChatRenderer,
+    policies: Mapping[str, PolicySettings],
+    learner: LearnerConfig,
+    *,
+    max_batch_size: int = 64,
+    threads: int | None = None,
+) -> Parts:
+    """The parts of a multi-policy run (``build_parts`` with ``[policies]``): ``build_policies``' engine and learners,
+    every policy's adapter published after each step, and the model directory of ``save_policies``."""
+    engines, learners = build_policies(
+        model, tokenizer, policies, learner, max_batch_size=max_batch_size, threads=threads
+    )
+    return Parts(
+        engine=engines,
+        learner=learners,
+        weights=learners.weights,
+        save_model=functools.partial(save_policies, learners, model, tokenizer),
+        model=None,  # no warm start: it would train the shared base
+        renderer=renderer,
+        policies=tuple(policies),
+    )
 
 
 def build_policies(

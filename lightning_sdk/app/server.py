@@ -1,8 +1,9 @@
 """The job's proxy server: token mode over the serving engine, recording into the store, on a socket bound first.
 
-``bind_socket`` runs before the slow policy set-up, so a bad or busy port fails at once; ``ProxyServer.start``
-serves ``create_app`` (token mode over the engine, with the job's per-split sampling) on that socket with uvicorn
-and publishes the policy's URL as a store resource; ``stop`` is called last, after the workers are done.
+``bind_socket`` (``lightning_sdk/listen.py``) runs before the slow policy set-up, so a bad or busy port fails at
+once; ``ProxyServer.start`` serves ``create_app`` (token mode over the engine, with the job's per-split sampling) on
+that socket with uvicorn and publishes the policy's URL as a store resource; ``stop`` is called last, after the
+workers are done (``serving``: both, as a context).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from starlette.routing import BaseRoute, Mount
 
 from lightning_sdk.engines.base import Engine
-from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.errors import TrainerError
+from lightning_sdk.listen import bind_socket, free_port
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.proxy.sampling import SplitSampling
 from lightning_sdk.store.base import Store
@@ -31,27 +34,6 @@ UI_PATH = "/lightning/v1/ui"
 """Where the job's proxy serves the run viewer (admin key: bearer, or ``?key=`` once in a browser)."""
 
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the proxy's listening socket now (``port`` 0: a free one), before the slow policy set-up, so a bad or
-    busy port is a one-line ``ConfigError`` instead of a uvicorn traceback minutes later."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port {port} is not a TCP port (0-65535)")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
 
 
 class _Server(uvicorn.Server):
@@ -75,7 +57,22 @@ class ProxyServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.host}:{self.port}"  # known after the socket closed too
+
+    @contextlib.asynccontextmanager
+    async def serving(self, store: Store, engine: Engine, tokenizer: object, **options: Any) -> AsyncIterator[None]:
+        """``start`` (same arguments), yield while it serves, ``stop`` whatever happens: the job's proxy, which
+        stops last of what serves (the workers are done or released their attempts by then)."""
+        try:
+            await self.start(store, engine, tokenizer, **options)
+            yield
+        finally:  # ``stop``, inline
+            server, task, self._server = self._server, self._task, None
+            if server is not None and task is not None:
+                server.should_exit = True
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self.sock.close()
 
     async def start(
         self,

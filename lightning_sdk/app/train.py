@@ -26,13 +26,12 @@ from typing import Any
 
 from lightning_sdk.agent import CommandAgent, load_agent
 from lightning_sdk.app.job import open_job
-from lightning_sdk.app.loop import RLWorkers, StepReport, evaluate, never, run_rl
+from lightning_sdk.app.loop import StepReport, never
+from lightning_sdk.app.rl import RLWorkers, evaluate, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.app.warmup import run_warm_start
-from lightning_sdk.engines.embedded import EmbeddedEngine
-from lightning_sdk.trainer.balance import Split, ThreadBalance, default_splits
+from lightning_sdk.trainer.balance import BalancedThreads
 from lightning_sdk.trainer.config import TrainConfig
-from lightning_sdk.trainer.learner import Learner
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
 
 __all__ = ["NO_EVAL", "run_training"]
@@ -68,7 +67,7 @@ async def run_training(
 
         # The RL workers start with the evaluation before RL when it runs: the first groups are generated on the
         # weights being evaluated (nothing is trained before it ends), so the learner's first steps find them ready
-        # instead of waiting for the whole first batch (loop.RLWorkers; run_rl takes them over and, with the same
+        # instead of waiting for the whole first batch (rl.RLWorkers; run_rl takes them over and, with the same
         # setting, keeps them generating during the target checks).
         early: RLWorkers | None = None
         if heldout and "eval_before" not in state and rl.generate_during_eval and rl.steps > loop.step:
@@ -99,23 +98,16 @@ async def run_training(
 
             # the split of the cores between learner and engine, chosen from the first steps' measures
             # (trainer/balance.py; the engine's threads where it is the embedded engine)
-            learner = loop.learner if isinstance(loop.learner, Learner) else None
-            engine = loop.engine if isinstance(loop.engine, EmbeddedEngine) else None
-            balance = (
-                ThreadBalance(default_splits(engine=engine is not None and config.engine.threads is None))
-                if learner is not None and learner.config.balance_threads and learner.config.threads is None
-                else None
+            balance = BalancedThreads.for_job(
+                loop.learner, loop.engine, engine_threads_set=config.engine.threads is not None
             )
-            if balance is not None and learner is not None:
-                _set_split(learner, engine, balance.next_split())
 
             def on_step(report: StepReport) -> None:
-                if balance is not None and learner is not None:
-                    used = (learner.config.threads or 0, engine.threads if engine is not None else None)
+                if balance is not None:
                     tokens = float(report.metrics.get("tokens", 0.0))
-                    if balance.observe(used, report.learner_s, tokens, report.tokens_per_s, report.generated_tokens):
-                        note(balance.message())
-                    _set_split(learner, engine, balance.next_split())
+                    chose = balance.after_step(report.learner_s, tokens, report.tokens_per_s, report.generated_tokens)
+                    if chose is not None:
+                        note(chose)
                 if target is not None:
                     target.observe_step(report.fresh_outcomes)
                 row = report.as_dict()
@@ -157,7 +149,7 @@ async def run_training(
             "stop": done.stop,
         }
         if balance is not None:
-            state["balance"] = balance.as_dict()
+            state["balance"] = balance.balance.as_dict()
         job.mark("rl_end_s")
 
         if heldout and "eval_after" not in state:
@@ -205,11 +197,3 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
 def _short(state: dict[str, Any]) -> bool:
     """Whether RL ended with a target it did not meet (``rl.stop.short``)."""
     return bool((state.get("rl") or {}).get("stop", {}).get("short"))
-
-
-def _set_split(learner: Learner, engine: EmbeddedEngine | None, split: Split) -> None:
-    """The learner's intra-op threads from its next step on (it sets them in the thread its step runs in), and the
-    engine's from its next forward pass (where the split names them)."""
-    learner.config = learner.config.model_copy(update={"threads": split[0]})
-    if engine is not None and split[1] is not None:
-        engine.set_threads(split[1])

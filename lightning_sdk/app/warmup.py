@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_sdk.agent import Agent
-from lightning_sdk.app.loop import RunStopped, evaluate, never
+from lightning_sdk.app.loop import RunStopped, never
+from lightning_sdk.app.rl import evaluate
 from lightning_sdk.policy.warm_start import warm_start
 
 if TYPE_CHECKING:

@@ -10,6 +10,6 @@ Every actor is restarted by Ray when it dies (``max_restarts``). Ray is imported
 is configured: the single-process default never imports it (docs/scale-out.md, "Placed by Ray").
 """
 
-from lightning_sdk.cluster.placement import ClusterRun, RayEngine, RayLearner, connect
+from lightning_sdk.cluster.placement import ClusterRun, RayEngine, RayLearner, connect, ray_learner_parts
 
-__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect"]
+__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect", "ray_learner_parts"]

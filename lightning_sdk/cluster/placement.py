@@ -41,12 +41,14 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from transformers import PreTrainedTokenizerBase
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
+from lightning_sdk.engines.serving import ServingEngine
 from lightning_sdk.errors import ConfigError, EngineError, TrainerError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig
 from lightning_sdk.trainer.learner import LearnerConfig
+from lightning_sdk.trainer.parts import Parts
 
-__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect"]
+__all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect", "ray_learner_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -695,3 +697,26 @@ class ClusterRun:
         for h in [*self._handles, *self._proxies]:
             ray.kill(h, no_restart=True)
         return done
+
+
+def ray_learner_parts(
+    cluster: ClusterConfig,
+    learner: LearnerConfig,
+    model_dir: Path,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    served: ServingEngine,
+) -> Parts:
+    """The parts of a run whose embedded learner is a Ray actor (``[cluster] learner``: ``RayLearner``): its weights
+    go to the engine actors by reference; the driver keeps its copy of the policy for the warm start (the actor gets
+    its weights after it) and the save."""
+    pad = tokenizer.pad_token_id
+    actor = RayLearner.launch(cluster, model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
+    return Parts(
+        engine=served,
+        learner=actor,
+        weights=actor.weights,
+        save_model=lambda out: actor.save(out, tokenizer),
+        model=model,
+        closers=[actor.close],
+    )

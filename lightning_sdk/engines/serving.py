@@ -6,7 +6,7 @@
 
 ``ServingEngine`` is what the trainer needs of an engine besides the ``Engine`` protocol (the tokenizer, token
 counts); ``ServedEngine`` gives a remote one those, loads a state dict by writing a checkpoint directory
-(``disk_checkpoints``) and stops the servers it launched. A new engine is a module here (the ``Engine`` protocol,
+(``engines/checkpoints.py``) and stops the servers it launched. A new engine is a module here (the ``Engine`` protocol,
 ``engines/base.py``), a ``kind`` and its branch in ``open_engine``.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import shutil
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, get_args
@@ -33,8 +32,6 @@ __all__ = [
     "EngineKind",
     "ServedEngine",
     "ServingEngine",
-    "adapter_checkpoints",
-    "disk_checkpoints",
     "open_engine",
 ]
 
@@ -185,46 +182,3 @@ def _remote_engine(
         inner = VLLMEngine(urls)
     logger.info("policy served by %s at %s", ec.kind, ", ".join(urls))
     return ServedEngine(inner, tokenizer, servers)
-
-
-def disk_checkpoints(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, root: Path
-) -> Callable[[dict[str, torch.Tensor] | None], str]:
-    """What a server engine loads: a writer of an HF checkpoint per published version under ``root`` (the two newest
-    are kept: the one being loaded and the one served before it); ``write()`` saves the model's current weights,
-    ``write(state)`` a state dict of the same model."""
-    count = 0
-
-    def write(state: dict[str, torch.Tensor] | None = None) -> str:
-        """Save the model's current weights, or ``state`` (a state dict of the same model), as a checkpoint."""
-        nonlocal count
-        count += 1
-        out = root / f"v{count:06d}"
-        model.save_pretrained(str(out), state_dict=state)
-        tokenizer.save_pretrained(str(out))
-        old = root / f"v{count - 2:06d}"
-        if count > 2 and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        return str(out)
-
-    return write
-
-
-def adapter_checkpoints(peft_model: Any, root: Path) -> Callable[[], str]:
-    """What a vLLM engine loads when the learner trains a LoRA adapter: a writer of the PEFT adapter
-    (``adapter_config.json`` + ``adapter_model.safetensors``, a few MB instead of the whole model) per published
-    version under ``root``, the two newest kept. ``VLLMEngine.update_weights`` loads such a directory as a LoRA
-    adapter (``is_adapter_dir``)."""
-    count = 0
-
-    def write() -> str:
-        nonlocal count
-        count += 1
-        out = root / f"lora-v{count:06d}"
-        peft_model.save_pretrained(str(out))
-        old = root / f"lora-v{count - 2:06d}"
-        if count > 2 and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        return str(out)
-
-    return write

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Split", "ThreadBalance", "default_splits"]
+if TYPE_CHECKING:
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.trainer.learner import Learner
+
+__all__ = ["BalancedThreads", "Split", "ThreadBalance", "default_splits"]
 
 #: (learner threads, engine threads); engine threads None: the engine's are not changed (a remote engine)
 Split = tuple[int, int | None]
@@ -134,3 +138,45 @@ class ThreadBalance:
                 for t in self._trials
             ],
         }
+
+
+class BalancedThreads:
+    """A ``ThreadBalance`` applied to a job: before each step the learner's threads (its config's ``threads``, which
+    its step sets in the thread it runs in) and the embedded engine's (``set_threads``, from its next forward pass)
+    are the split to try or the one chosen; ``after_step`` hands it the step's measures."""
+
+    def __init__(self, balance: ThreadBalance, learner: Learner, engine: EmbeddedEngine | None) -> None:
+        self.balance, self.learner, self.engine = balance, learner, engine
+        self.apply()
+
+    @classmethod
+    def for_job(cls, learner: object, engine: object, *, engine_threads_set: bool) -> BalancedThreads | None:
+        """The balance of a job whose learner is the embedded one with ``balance_threads`` on and no fixed
+        ``threads`` (None otherwise); the engine's threads are among the candidates where it is the embedded engine
+        and ``[engine] threads`` is unset (``engine_threads_set`` False)."""
+        from lightning_sdk.engines.embedded import EmbeddedEngine
+        from lightning_sdk.trainer.learner import Learner
+
+        if not isinstance(learner, Learner) or not learner.config.balance_threads or learner.config.threads is not None:
+            return None
+        embedded = engine if isinstance(engine, EmbeddedEngine) else None
+        return cls(
+            ThreadBalance(default_splits(engine=embedded is not None and not engine_threads_set)), learner, embedded
+        )
+
+    def apply(self) -> None:
+        """Set the split of the next step."""
+        split = self.balance.next_split()
+        self.learner.config = self.learner.config.model_copy(update={"threads": split[0]})
+        if self.engine is not None and split[1] is not None:
+            self.engine.set_threads(split[1])
+
+    def after_step(
+        self, learner_s: float, trained_tokens: float, generated_per_s: float, generated_tokens: float
+    ) -> str | None:
+        """Observe a step run on the split set before it, set the next; the console's line when this step made
+        the choice."""
+        used = (self.learner.config.threads or 0, self.engine.threads if self.engine is not None else None)
+        chose = self.balance.observe(used, learner_s, trained_tokens, generated_per_s, generated_tokens)
+        self.apply()
+        return self.balance.message() if chose else None

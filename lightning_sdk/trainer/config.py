@@ -124,7 +124,7 @@ class RLConfig(_Section):
         description="lightning-sdk train: the RL workers generate train groups while held-out evaluations run "
         "(on the weights being evaluated; the learner is paused): they start with the evaluation before RL and go on "
         "through the target checks, so the steps after them find their groups ready (false: they start once RL "
-        "starts and stop for each check; app/train.py, app/loop.py run_rl)",
+        "starts and stop for each check; app/train.py, app/rl.py run_rl)",
     )
 
     @model_validator(mode="after")

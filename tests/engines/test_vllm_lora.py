@@ -4,7 +4,7 @@ adapter name per policy version (``VLLMEngine.load_adapter``).
 
 The adapters are what the embedded learner publishes: a ``Learner`` with ``lora = {rank 8, q/k/v/o}`` on
 SmolLM2-135M-Instruct, its adapter moved by seeded noise (standing in for two training steps), written by the
-trainer's own writer (``serving.adapter_checkpoints``). A server started with both adapters (``--lora-modules``)
+trainer's own writer (``checkpoints.adapter_checkpoints``). A server started with both adapters (``--lora-modules``)
 records what a fresh server answers; a second one, started on the base model alone, loads them at run time as
 policy versions 1, 2 and 3 and must answer the same (ids equal, log-probs within 1e-3). Two server start-ups.
 """
@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from lightning_sdk.engines.base import Sampling
+from lightning_sdk.engines.checkpoints import adapter_checkpoints
 from lightning_sdk.engines.launch import ManagedServer, launch_vllm
-from lightning_sdk.engines.serving import adapter_checkpoints
 from lightning_sdk.engines.vllm import VLLMEngine, is_adapter_dir
 from lightning_sdk.errors import EngineError
 from lightning_sdk.policy.model import load_policy

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_sdk.trainer.balance import Split, ThreadBalance, default_splits, split_name
@@ -67,3 +69,50 @@ def test_steps_that_trained_nothing_are_not_trials_and_one_candidate_is_chosen_a
     assert ThreadBalance(candidates=((2, None),)).next_split() == (2, None)
     with pytest.raises(ValueError, match="at least one candidate"):
         ThreadBalance(candidates=())
+
+
+def test_balanced_threads_set_each_split_on_the_learner_and_the_embedded_engine(tmp_path: Path) -> None:
+    """A real ``Learner`` and ``EmbeddedEngine`` (the tiny policy): each step runs on the split set before it, the
+    measured steps choose one, and the choice stays on both sides; a learner with fixed threads, a learner that is not
+    the embedded one, or ``balance_threads = false`` get no balance."""
+    import asyncio
+
+    from lightning_sdk.engines.embedded import EmbeddedEngine
+    from lightning_sdk.policy.model import load_policy
+    from lightning_sdk.trainer.balance import BalancedThreads
+    from lightning_sdk.trainer.learner import Learner, LearnerConfig
+    from tests.trainer.tiny import build_small_policy
+
+    model, tokenizer = load_policy(build_small_policy(tmp_path / "tiny"))
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=2, threads=2)
+    try:
+        learner = Learner(model, LearnerConfig())
+        assert BalancedThreads.for_job(object(), engine, engine_threads_set=False) is None
+        assert (
+            BalancedThreads.for_job(Learner(model, LearnerConfig(threads=1)), engine, engine_threads_set=False) is None
+        )
+        assert (
+            BalancedThreads.for_job(
+                Learner(model, LearnerConfig(balance_threads=False)), engine, engine_threads_set=False
+            )
+            is None
+        )
+        fixed_engine = BalancedThreads.for_job(Learner(model, LearnerConfig()), engine, engine_threads_set=True)
+        assert fixed_engine is not None and all(s[1] is None for s in fixed_engine.balance.candidates)
+
+        balanced = BalancedThreads.for_job(learner, engine, engine_threads_set=False)
+        assert balanced is not None and balanced.engine is engine
+        candidates = balanced.balance.candidates
+        assert (learner.config.threads, engine.threads) == candidates[0]  # set before the first step
+        # measured: the learner at 1,000 trained tokens per learner_s; the split (1, 1) runs fastest
+        speed = {s: (0.5 if s == (1, 1) else 2.0) for s in candidates}
+        messages, used = [], []
+        for _ in range(1 + len(candidates) + 2):  # step 1 skipped, one trial each, then the choice holds
+            split = (learner.config.threads, engine.threads)
+            used.append(split)
+            messages.append(balanced.after_step(speed[split], 1000.0, 1e6, 1000.0))
+        assert [m for m in messages if m is not None] == [balanced.balance.message()]
+        assert balanced.balance.chosen == (1, 1) and (learner.config.threads, engine.threads) == (1, 1)
+        assert set(used[1 : 1 + len(candidates)]) == set(candidates)
+    finally:
+        asyncio.run(engine.close())

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job
-from lightning_sdk.app.loop import RLWorkers
+from lightning_sdk.app.rl import RLWorkers
 from lightning_sdk.trainer.config import load_train_config
 from tests.support.waiting import until_async
 from tests.trainer.tiny import build_small_policy, write_config

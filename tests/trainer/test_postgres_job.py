@@ -13,7 +13,7 @@ import pytest
 
 from lightning_sdk.agent import load_agent
 from lightning_sdk.app.job import open_job
-from lightning_sdk.app.loop import RLWorkers
+from lightning_sdk.app.rl import RLWorkers
 from lightning_sdk.store.postgres import PostgresStore
 from lightning_sdk.trainer.config import load_train_config
 from lightning_sdk.types import AttemptStatus, RolloutStatus

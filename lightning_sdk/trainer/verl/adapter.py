@@ -13,15 +13,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
+from lightning_sdk.engines.serving import ServingEngine
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.records.record import Record
+from lightning_sdk.trainer.parts import Parts
 from lightning_sdk.trainer.verl.backend import VerlBackend
 
-__all__ = ["VerlLearner"]
+if TYPE_CHECKING:
+    from lightning_sdk.trainer.config import VerlSettings
+
+__all__ = ["VerlLearner", "verl_parts"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,3 +62,41 @@ class VerlLearner:
         self.steps = int(state["steps"])
         self.backend.version = int(state.get("policy_version", self.steps))
         logger.warning("verl backend resumed at step %d: optimizer moments start fresh", self.steps)
+
+
+def verl_parts(
+    launch: VerlSettings,
+    run_dir: Path,
+    model_dir: Path,
+    engine: ServingEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    remote: bool,
+) -> Parts:
+    """The parts of a run with ``backend = "verl"`` (``[verl]``): verl's FSDP ranks (in this process, or Ray
+    actors) as the learner; a remote engine loads each version from a checkpoint the ranks write under
+    ``RUN_DIR/weights``, the embedded one takes the gathered state dict."""
+    pad = tokenizer.pad_token_id
+    config = launch.verl_config(str(model_dir))
+    backend = VerlBackend(
+        config,
+        ray_address=launch.ray_address,
+        ray_num_cpus=launch.ray_num_cpus,
+        use_ray=launch.use_ray,
+        publish_dir=run_dir / "weights",
+        pad_id=int(pad) if pad is not None else 0,
+    )
+    learner = VerlLearner(backend)
+
+    def save(out: Path) -> None:
+        backend.ranks.call_all("save_hf", str(out))
+        tokenizer.save_pretrained(str(out))
+
+    return Parts(
+        engine=engine,
+        learner=learner,
+        weights=backend.save_weights if remote else learner.weights,
+        save_model=save,
+        model=None,
+        closers=[backend.shutdown],
+    )

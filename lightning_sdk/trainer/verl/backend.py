@@ -18,32 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_sdk.engines.base import Engine
-from lightning_sdk.errors import ConfigError, TrainerError
+from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.verl.batch import records_to_dataproto
 from lightning_sdk.trainer.verl.config import VerlConfig, to_verl_config
 from lightning_sdk.trainer.verl.step import run_step
-from lightning_sdk.trainer.verl.worker import VerlRank
+from lightning_sdk.trainer.verl.worker import LocalRanks, RayRanks
 
 __all__ = ["LocalRanks", "RayRanks", "VerlBackend"]
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _ray() -> Any:
@@ -51,102 +43,6 @@ def _ray() -> Any:
     import ray
 
     return ray
-
-
-def _rendezvous() -> tuple[str, int]:
-    """This node's IP and a free port (run on rank 0's bundle so every rank can reach it)."""
-    return str(_ray().util.get_node_ip_address()), _free_port()
-
-
-def _worker_env() -> dict[str, str]:
-    """Environment of the rank actors: our package importable even from a source checkout (not pip-installed)."""
-    checkout = str(Path(__file__).resolve().parents[3])
-    paths = [checkout, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "TOKENIZERS_PARALLELISM": "false"}
-
-
-class LocalRanks:
-    """One ``VerlRank`` in this process (world size 1), no Ray."""
-
-    def __init__(self, config: Any) -> None:
-        self.rank = VerlRank(config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
-
-    @property
-    def world_size(self) -> int:
-        return 1
-
-    def call(self, method: str, args: Sequence[Any]) -> list[Any]:
-        return [getattr(self.rank, method)(*([args[0]] if args else []))]
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(self.rank, method)(*args)]
-
-    def shutdown(self) -> None:
-        self.rank.close()
-
-
-class RayRanks:
-    """``n`` ``VerlRank`` Ray actors in one placement group (one bundle each)."""
-
-    def __init__(self, config: Any, n: int, *, use_gpu: bool) -> None:
-        ray = _ray()
-        from omegaconf import OmegaConf
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=float(os.environ.get("LIGHTNING_SDK_RAY_PLACEMENT_TIMEOUT", "600")))
-        except Exception as exc:
-            ray.util.remove_placement_group(self.pg)
-            raise TrainerError(
-                f"Ray could not place {n} trainer rank(s) with {bundle} each: {exc}. "
-                f"Cluster resources: {ray.cluster_resources()}"
-            ) from exc
-
-        def strategy(i: int) -> Any:
-            return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
-
-        addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=strategy(0)).remote())
-        yaml = OmegaConf.to_yaml(config, resolve=False)
-        actor_cls = ray.remote(VerlRank)
-        env = {"env_vars": _worker_env()}
-        self.actors = [
-            actor_cls.options(
-                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=strategy(i), runtime_env=env
-            ).remote(yaml, rank=i, world_size=n, master_addr=addr, master_port=port)
-            for i in range(n)
-        ]
-        try:
-            ray.get([a.ping.remote() for a in self.actors])
-        except Exception as exc:
-            self.shutdown()
-            raise TrainerError(f"verl trainer ranks failed to start: {exc}") from exc
-
-    @property
-    def world_size(self) -> int:
-        return len(self.actors)
-
-    def call(self, method: str, args: Sequence[Any]) -> list[Any]:
-        ray = _ray()
-        try:
-            return list(ray.get([getattr(a, method).remote(arg) for a, arg in zip(self.actors, args, strict=True)]))
-        except ray.exceptions.RayError as exc:
-            raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
-
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        ray = _ray()
-        try:
-            return list(ray.get([getattr(a, method).remote(*args) for a in self.actors]))
-        except ray.exceptions.RayError as exc:
-            raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
-
-    def shutdown(self) -> None:
-        ray = _ray()
-        for a in self.actors if hasattr(self, "actors") else []:
-            ray.kill(a)
-        ray.util.remove_placement_group(self.pg)
 
 
 class VerlBackend:
@@ -203,11 +99,11 @@ class VerlBackend:
         return metrics
 
     # ------------------------------------------------------------------------------------------------- weights
-    def save_weights(self) -> Path:
-        """Write the current weights as an HF checkpoint directory (what SGLang/vLLM reload from disk)."""
+    def save_weights(self) -> str:
+        """Write the current weights as an HF checkpoint directory (what SGLang/vLLM reload from disk); its path."""
         out = self._publish_root / f"v{self.version:06d}"
         self.ranks.call_all("save_hf", str(out))
-        return out
+        return str(out)
 
     def state_dict(self) -> dict[str, Any]:
         """The full weights on CPU (for the embedded engine's in-memory swap)."""

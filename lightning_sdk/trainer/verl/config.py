@@ -101,6 +101,8 @@ def to_verl_config(cfg: VerlConfig) -> Any:
     """Resolve ``cfg`` to verl's full ``DictConfig`` (defaults → our mapping → ``overrides``)."""
     from omegaconf import OmegaConf, open_dict
 
+    set_key = OmegaConf.update  # a dotted key, made where missing (force_add)
+
     if not Path(cfg.model_dir).is_dir():
         raise ConfigError(f"verl backend: model_dir {cfg.model_dir!r} is not a directory (a Hugging Face checkpoint)")
     if cfg.device == "cpu" and cfg.strategy == "fsdp":
@@ -158,7 +160,7 @@ def to_verl_config(cfg: VerlConfig) -> Any:
         "lightning.mini_batches_per_step": cfg.mini_batches_per_step,
     }
     if cfg.lora is not None:
-        ours.update(_lora_keys(cfg.lora))
+        ours |= _lora_keys(cfg.lora)
     if cfg.rollout_correction == "bypass":
         # what verl's rollout_corr_helper.apply_bypass_mode does to the actor's loss config before workers start
         ours["actor_rollout_ref.actor.policy_loss.loss_mode"] = "bypass_mode"
@@ -171,7 +173,7 @@ def to_verl_config(cfg: VerlConfig) -> Any:
     with open_dict(full):
         for key, value in {**ours, **cfg.overrides}.items():
             try:
-                OmegaConf.update(full, key, value, merge=False, force_add=True)
+                set_key(full, key, value, merge=False, force_add=True)
             except Exception as exc:  # omegaconf raises several unrelated types for bad keys
                 raise ConfigError(f"verl backend: cannot set {key}={value!r}: {exc}") from exc
     logger.info("verl config resolved: %d keys set by lightning_sdk, %d overrides", len(ours), len(cfg.overrides))

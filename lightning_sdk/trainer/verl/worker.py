@@ -5,8 +5,8 @@ servers, checkpoint engines and a hybrid engine that we do not use (our engines 
 proxy). We construct the same worker class ourselves, one per rank, with the environment it expects (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and call its registered methods directly:
 ``init_model``, ``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor``. The ``VerlRank`` class is plain
-Python so it runs without Ray (``scripts/gpu_check.sh``, single-process tests); ``backend.py`` wraps it in a Ray
-actor per GPU.
+Python so it runs without Ray (``scripts/gpu_check.sh``, single-process tests); ``LocalRanks`` runs one in this
+process, ``RayRanks`` one Ray actor per GPU (``backend.py`` holds one of the two).
 
 Inputs are TensorDicts in verl's no-padding layout (``left_right_2_no_padding``), built by the driver from a
 ``DataProto`` (see ``batch.py``); outputs are plain tensors and floats so they cross Ray cheaply.
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 
 from lightning_sdk.errors import TrainerError
 
-__all__ = ["VerlRank", "merge_lora_tensors"]
+__all__ = ["LocalRanks", "RayRanks", "VerlRank", "merge_lora_tensors"]
 
 logger = logging.getLogger(__name__)
 
@@ -216,3 +218,112 @@ class VerlRank:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _ray() -> Any:
+    """The ``ray`` module, untyped (its stubs are partial)."""
+    import ray
+
+    return ray
+
+
+def _rendezvous() -> tuple[str, int]:
+    """This node's IP and a free port (run on rank 0's bundle so every rank can reach it)."""
+    return str(_ray().util.get_node_ip_address()), _free_port()
+
+
+def _worker_env() -> dict[str, str]:
+    """Environment of the rank actors: our package importable even from a source checkout (not pip-installed)."""
+    checkout = str(Path(__file__).resolve().parents[3])
+    paths = [checkout, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "TOKENIZERS_PARALLELISM": "false"}
+
+
+class LocalRanks:
+    """One ``VerlRank`` in this process (world size 1), no Ray."""
+
+    def __init__(self, config: Any) -> None:
+        self.rank = VerlRank(config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port())
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def call(self, method: str, args: Sequence[Any]) -> list[Any]:
+        return [getattr(self.rank, method)(*([args[0]] if args else []))]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.rank, method)(*args)]
+
+    def shutdown(self) -> None:
+        self.rank.close()
+
+
+class RayRanks:
+    """``n`` ``VerlRank`` Ray actors in one placement group (one bundle each)."""
+
+    def __init__(self, config: Any, n: int, *, use_gpu: bool) -> None:
+        ray = _ray()
+        from omegaconf import OmegaConf
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle: dict[str, float] = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=float(os.environ.get("LIGHTNING_SDK_RAY_PLACEMENT_TIMEOUT", "600")))
+        except Exception as exc:
+            ray.util.remove_placement_group(self.pg)
+            raise TrainerError(
+                f"Ray could not place {n} trainer rank(s) with {bundle} each: {exc}. "
+                f"Cluster resources: {ray.cluster_resources()}"
+            ) from exc
+
+        def strategy(i: int) -> Any:
+            return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i)
+
+        addr, port = ray.get(ray.remote(_rendezvous).options(num_cpus=0, scheduling_strategy=strategy(0)).remote())
+        yaml = OmegaConf.to_yaml(config, resolve=False)
+        actor_cls = ray.remote(VerlRank)
+        env = {"env_vars": _worker_env()}
+        self.actors = [
+            actor_cls.options(
+                num_cpus=1, num_gpus=1 if use_gpu else 0, scheduling_strategy=strategy(i), runtime_env=env
+            ).remote(yaml, rank=i, world_size=n, master_addr=addr, master_port=port)
+            for i in range(n)
+        ]
+        try:
+            ray.get([a.ping.remote() for a in self.actors])
+        except Exception as exc:
+            self.shutdown()
+            raise TrainerError(f"verl trainer ranks failed to start: {exc}") from exc
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, args: Sequence[Any]) -> list[Any]:
+        ray = _ray()
+        try:
+            return list(ray.get([getattr(a, method).remote(arg) for a, arg in zip(self.actors, args, strict=True)]))
+        except ray.exceptions.RayError as exc:
+            raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        ray = _ray()
+        try:
+            return list(ray.get([getattr(a, method).remote(*args) for a in self.actors]))
+        except ray.exceptions.RayError as exc:
+            raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
+
+    def shutdown(self) -> None:
+        ray = _ray()
+        for a in self.actors if hasattr(self, "actors") else []:
+            ray.kill(a)
+        ray.util.remove_placement_group(self.pg)

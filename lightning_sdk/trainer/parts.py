@@ -1,0 +1,59 @@
+"""What a training job is built from (``Parts``: serving engine, learner, weight publishing) and what the training
+loop asks of a learner (``LearnerLike``). ``app/parts.py`` makes them from the ``[engine]`` and learner sections;
+the backends that build their own (``[verl]``: ``trainer/verl/adapter.py``; several policies: ``app/policies.py``;
+the learner as a Ray actor: ``lightning_sdk/cluster``) return one too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from transformers import PreTrainedModel
+
+from lightning_sdk.engines.serving import ServingEngine
+from lightning_sdk.records.record import Record
+
+if TYPE_CHECKING:
+    from lightning_sdk.tokens import ChatRenderer
+
+__all__ = ["LearnerLike", "Parts"]
+
+
+class LearnerLike(Protocol):
+    """What the training loop asks of a learner (``Learner`` and ``VerlLearner`` both are one)."""
+
+    steps: int
+
+    def step(self, records: Sequence[Record]) -> dict[str, float]: ...
+
+    def weights(self) -> dict[str, Any]:  # a state dict (several policies: each policy's adapter state)
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Parts:
+    """What ``build_parts`` made. ``weights()`` is what ``engine.update_weights`` gets after a step (run it off the
+    event loop: it may write a checkpoint); ``model`` is the torch model a warm start trains (None: the backend
+    keeps its weights elsewhere, so no warm start)."""
+
+    engine: ServingEngine
+    learner: LearnerLike
+    weights: Callable[[], Any]
+    save_model: Callable[[Path], None]
+    model: PreTrainedModel | None = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
+    policies: tuple[str, ...] = ()  # several policies in one run (``[policies]``: app/policies.py); empty: one
+
+    async def close(self) -> None:
+        """Close the engine (and the servers it launched), then shut the backend down."""
+        await self.engine.close()
+        for close in self.closers:
+            close()
