@@ -20,18 +20,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, *, backlog: int | None = None, who: str = "") -> socket.socket:
     """Bind a listening socket now (``port`` 0: a free one), before the slow policy set-up, so a bad or busy port
-    is a one-line ``ConfigError`` instead of a uvicorn traceback minutes later."""
+    is a one-line ``ConfigError`` (``who`` names the server in it) instead of a uvicorn traceback minutes later.
+    ``backlog``: listen at once, so connections wait until the server serves instead of being refused."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"port {port} is not a TCP port (0-65535)")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        if backlog is not None:
+            sock.listen(backlog)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{who + ' ' if who else ''}cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock
 
 

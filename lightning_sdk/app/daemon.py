@@ -84,9 +84,7 @@ async def run_daemon(
             raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
         if placed is not None:
-            check = getattr(job.parts.engine, "check", None)
-            if check is not None:  # every engine back and serving the last version (a restart is in its events)
-                await check()
+            await job.parts.engine.check()  # every engine back and serving the last version (restarts: its events)
             summary = {
                 "steps": job.loop.step,
                 "wall_s": round(time.perf_counter() - t0, 2),
@@ -94,11 +92,11 @@ async def run_daemon(
                 "cluster": {
                     "ray": cluster.ray,
                     "placements": placed.last,
-                    "engine_events": getattr(job.parts.engine, "events", []),
+                    "engine_events": list(job.parts.engine.events),
                     "engine_resent_calls": job.parts.engine.stats.get("resent", 0),
-                    "learner_events": getattr(job.parts.learner, "events", []),
+                    "learner_events": list(job.parts.learner.events),
                     "learner_steps": job.parts.learner.steps,
-                    "engines": await where() if (where := getattr(job.parts.engine, "where", None)) else [],
+                    "engines": await job.parts.engine.where(),
                     "workers": workers,
                 },
             }
@@ -128,11 +126,10 @@ class _Placed:
         self.last: list[dict[str, Any]] = []
 
     async def write(self, out: Path) -> None:
-        engine = self.job.parts.engine
-        where = getattr(engine, "where", None)
-        engines = await where() if where is not None else []
-        learner = getattr(self.job.parts.learner, "where", None)  # a RayLearner (sync: its actor answers between steps)
-        learners = [await asyncio.to_thread(learner)] if learner is not None else []
+        engines = await self.job.parts.engine.where()
+        # a RayLearner's (sync: its actor answers between steps); None for a learner in this process
+        learner = await asyncio.to_thread(self.job.parts.learner.where)
+        learners = [learner] if learner is not None else []
         self.last = [*engines, *learners, *await self.run.placements()]
         tmp = out / "cluster.json.tmp"
         tmp.write_text(json.dumps({"step": self.job.loop.step, "parts": self.last}, indent=2))

@@ -55,7 +55,7 @@ from lightning_sdk.app.schedule import Schedule, Taken, generated_tokens, group_
 from lightning_sdk.errors import RunStopped
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
-from lightning_sdk.store import AttemptEnds, Store
+from lightning_sdk.store import Store
 from lightning_sdk.telemetry import StepSpan, Telemetry
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from lightning_sdk.trainer.config import RLConfig
@@ -82,9 +82,9 @@ def never() -> bool:
     return False
 
 
-def _engine_busy(engine: Any) -> float:
+def _engine_busy(engine: ServingEngine) -> float:
     """Seconds the engine spent generating so far (0 for engines that do not count it)."""
-    return float(getattr(engine, "stats", {}).get("busy_s", 0.0))
+    return float(engine.stats.get("busy_s", 0.0))
 
 
 def records_config(rl: RLConfig, max_model_len: int | None) -> RecordsConfig:
@@ -301,8 +301,7 @@ class TrainingLoop:
         store (``HTTPStore``: the attempts end in another process) gives no signal: it is read every ``_spacing``.
         """
         t0 = time.perf_counter()
-        ends = getattr(self.store, "attempt_ends", None)
-        ends = ends if isinstance(ends, AttemptEnds) else None
+        ends = self.store.attempt_ends
         taken = Taken()
         seen: int | None = None  # the signal's count when the groups were last read (None: never read)
         last_read = 0.0

@@ -29,7 +29,7 @@ from lightning_sdk.errors import EngineError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import PolicySettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, lora_config
-from lightning_sdk.trainer.parts import Parts
+from lightning_sdk.trainer.parts import LearnerLike, Parts
 
 if TYPE_CHECKING:
     from lightning_sdk.tokens import ChatRenderer
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["PolicyEngines", "PolicyLearners", "PolicySettings", "build_policies", "policy_parts", "save_policies"]
 
 
-class PolicyLearners:
+class PolicyLearners(LearnerLike):
     """One LoRA ``Learner`` per policy behind the loop's one learner (``LearnerLike``): ``step`` trains each policy on
     its own records only; ``weights`` is every policy's adapter state (``Learner.adapter_weights``)."""
 

@@ -54,9 +54,7 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
     )
     if result.stopped:
         raise RunStopped(loop.step)
-    reset = getattr(loop.learner, "reset_optimizer", None)
-    if reset is not None:  # the supervised steps moved the weights the optimizer's moments were for
-        reset()
+    loop.learner.reset_optimizer()  # the supervised steps moved the weights the optimizer's moments were for
     await loop.engine.update_weights(await asyncio.to_thread(loop.weights), loop.version)
     threads = ", ".join(f"{n} from step {s}" for s, n in result.threads) or "as set"
     note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s (threads: {threads})")

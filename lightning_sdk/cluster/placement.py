@@ -46,7 +46,7 @@ from lightning_sdk.errors import ConfigError, EngineError, TrainerError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig
 from lightning_sdk.trainer.learner import LearnerConfig
-from lightning_sdk.trainer.parts import Parts
+from lightning_sdk.trainer.parts import LearnerLike, Parts
 
 __all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect", "ray_learner_parts"]
 
@@ -133,9 +133,14 @@ class RayEngine(Engine):
         self._locks = [asyncio.Lock() for _ in handles]
         self._t0 = time.monotonic()
         self._pids: list[int | None] = [None] * len(handles)  # each engine's process, as last seen
-        self.events: list[dict[str, Any]] = []
+        self._events: list[dict[str, Any]] = []
         self.watch_s = 1.0 if watch else 0.0  # 0: no watch (a proxy actor's view: the driver gives the weights)
         self._watch: asyncio.Task[None] | None = None
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Each engine actor's restarts (``part``, ``event``, when, its new process)."""
+        return self._events
 
     @classmethod
     def launch(
@@ -256,7 +261,7 @@ class RayEngine(Engine):
             served = self._weights[1] if self._weights is not None else 0
             if self._weights is not None and where["version"] != served:
                 await handle.update_weights.remote(*self._weights)
-            self.events.append(
+            self._events.append(
                 {
                     "part": f"engine-{i}",
                     "event": "restarted",
@@ -361,7 +366,7 @@ class LearnerHost:
         self.token = token
 
 
-class RayLearner:
+class RayLearner(LearnerLike):
     """The training loop's learner (``LearnerLike``) over a ``LearnerHost`` actor. A call that finds the actor dead,
     or restarted (its state is not the driver's: ``LearnerHost``'s token), waits (up to ``retry_s``) for Ray's
     restart, gives the new actor the state of the last step (or the driver's weights before the first) and is made

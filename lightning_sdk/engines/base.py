@@ -7,7 +7,7 @@ ids back into an OpenAI message; the trainer publishes new weights through ``upd
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -107,6 +107,20 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+    # -- what a job reports of an engine spread over processes (the Ray engine actors override them) -----------------
+    @property
+    def events(self) -> Sequence[dict[str, Any]]:
+        """What happened to the engine's servers or actors (a restart); none for one in this process."""
+        return ()
+
+    async def check(self) -> None:
+        """Raise unless every part of the engine is up and serving the newest version; nothing to check here."""
+        return None
+
+    async def where(self) -> list[dict[str, Any]]:
+        """Where the engine's parts run (node, process), for ``cluster.json``; nothing to say for one in process."""
+        return []
 
 
 class DelegatingEngine(Engine):

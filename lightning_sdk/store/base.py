@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
@@ -29,6 +30,12 @@ __all__ = ["FinishedGroup", "Store"]
 
 @runtime_checkable
 class Store(Protocol):
+    @property
+    def attempt_ends(self) -> AttemptEnds | None:
+        """Bumped whenever an attempt ends (``store/_events.py``): what the trainer waits on before reading finished
+        groups; None where this process cannot see the ends (a remote store), which is then polled."""
+        ...
+
     # -- tasks, groups, rollouts ------------------------------------------------------------------------------
     async def enqueue(
         self,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from lightning_sdk._retry import RetryPolicy, TransientAnswer, retry
 from lightning_sdk.errors import StoreError, StoreUnavailableError
 from lightning_sdk.store import _wire as w
+from lightning_sdk.store._events import AttemptEnds
 from lightning_sdk.types import (
     Attempt,
     AttemptStatus,
@@ -53,6 +54,9 @@ def _retryable(exc: BaseException) -> bool:
 
 class HTTPStore:
     """A ``Store`` whose every operation is one HTTP request to ``base_url`` (e.g. ``http://host:4700/lightning/v1/store``)."""
+
+    #: attempts end in the server's process: nothing here to wait on (the trainer polls)
+    attempt_ends: AttemptEnds | None = None
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ from lightning_sdk.errors import TrainerError
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
+from lightning_sdk.trainer.parts import LearnerLike
 
 __all__ = ["Learner", "LearnerConfig", "TrainBatch", "cpu_has_bf16", "token_logprobs", "train_batch"]
 
@@ -231,7 +232,7 @@ def cpu_has_bf16() -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16"}) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class Learner:
+class Learner(LearnerLike):
     """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
     def __init__(self, model: PreTrainedModel, config: LearnerConfig | None = None, *, pad_id: int = 0) -> None:

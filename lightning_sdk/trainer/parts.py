@@ -36,6 +36,18 @@ class LearnerLike(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    # -- optional: defaults for a learner in this process (the Ray learner actor overrides them) --------------------
+    #: what happened to the learner's process (a restart and the step run again); none for one in this process
+    events: Sequence[dict[str, Any]] = ()
+
+    def where(self) -> dict[str, Any] | None:
+        """Where the learner runs (node, process), for ``cluster.json``; None for one in this process."""
+        return None
+
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer's moments (after a warm start moved the weights); nothing to forget by default."""
+        return None
+
 
 @dataclass
 class Parts:

@@ -16,6 +16,7 @@ from pathlib import Path
 import uvicorn
 
 from lightning_sdk.errors import ConfigError
+from lightning_sdk.listen import bind_socket
 from lightning_sdk.viewer.app import create_viewer_app
 from lightning_sdk.viewer.data import open_run
 
@@ -23,17 +24,8 @@ __all__ = ["ViewerThread", "bind", "serve_viewer"]
 
 
 def bind(host: str, port: int) -> socket.socket:
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port {port} is not a TCP port (0-65535)")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)  # connections wait in the backlog until uvicorn serves (not refused meanwhile)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"the viewer cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
+    """The viewer's socket, listening at once (connections wait in the backlog until uvicorn serves)."""
+    return bind_socket(host, port, backlog=128, who="the viewer")
 
 
 def _url(host: str, sock: socket.socket) -> str:

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_sdk.engines.serving import ServingEngine
 from lightning_sdk.errors import TrainerError
 from lightning_sdk.records.record import Record
-from lightning_sdk.trainer.parts import Parts
+from lightning_sdk.trainer.parts import LearnerLike, Parts
 from lightning_sdk.trainer.verl.backend import VerlBackend
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ __all__ = ["VerlLearner", "verl_parts"]
 logger = logging.getLogger(__name__)
 
 
-class VerlLearner:
+class VerlLearner(LearnerLike):
     """The learner protocol (``step``, ``weights``, ``state_dict``, ``load_state_dict``, ``steps``) over a
     ``VerlBackend``."""
 
