@@ -66,13 +66,8 @@ class ProxyServer:
         try:
             await self.start(store, engine, tokenizer, **options)
             yield
-        finally:  # ``stop``, inline
-            server, task, self._server = self._server, self._task, None
-            if server is not None and task is not None:
-                server.should_exit = True
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            self.sock.close()
+        finally:
+            await self.stop()
 
     async def start(
         self,

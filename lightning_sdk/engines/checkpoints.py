@@ -18,6 +18,24 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 __all__ = ["adapter_checkpoints", "disk_checkpoints"]
 
 
+class _Versions:
+    """Numbered version directories under ``root`` (``PREFIX000001``, ...), the newest two kept: the one being loaded
+    and the one served before it."""
+
+    def __init__(self, root: Path, prefix: str) -> None:
+        self.root, self.prefix, self.count = root, prefix, 0
+
+    def write(self, save: Callable[[Path], None]) -> str:
+        """``save`` the next version's directory, remove the one two before it; the new directory's path."""
+        self.count += 1
+        out = self.root / f"{self.prefix}{self.count:06d}"
+        save(out)
+        old = self.root / f"{self.prefix}{self.count - 2:06d}"
+        if self.count > 2 and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        return str(out)
+
+
 def disk_checkpoints(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -29,21 +47,18 @@ def disk_checkpoints(
     are kept: the one being loaded and the one served before it); ``write()`` saves the model's current weights
     (``current()`` when given: a LoRA learner's merged state, under the base model's names), ``write(state)`` a
     state dict of the same model."""
-    count = 0
+    versions = _Versions(root, "v")
 
     def write(state: dict[str, torch.Tensor] | None = None) -> str:
         """Save the model's current weights, or ``state`` (a state dict of the same model), as a checkpoint."""
-        nonlocal count
-        count += 1
-        out = root / f"v{count:06d}"
         if state is None and current is not None:
             state = current()
-        model.save_pretrained(str(out), state_dict=state)
-        tokenizer.save_pretrained(str(out))
-        old = root / f"v{count - 2:06d}"
-        if count > 2 and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        return str(out)
+
+        def save(out: Path) -> None:
+            model.save_pretrained(str(out), state_dict=state)
+            tokenizer.save_pretrained(str(out))
+
+        return versions.write(save)
 
     return write
 
@@ -53,16 +68,9 @@ def adapter_checkpoints(peft_model: Any, root: Path) -> Callable[[], str]:
     (``adapter_config.json`` + ``adapter_model.safetensors``, a few MB instead of the whole model) per published
     version under ``root``, the two newest kept. ``VLLMEngine.update_weights`` loads such a directory as a LoRA
     adapter (``is_adapter_dir``)."""
-    count = 0
+    versions = _Versions(root, "lora-v")
 
     def write() -> str:
-        nonlocal count
-        count += 1
-        out = root / f"lora-v{count:06d}"
-        peft_model.save_pretrained(str(out))
-        old = root / f"lora-v{count - 2:06d}"
-        if count > 2 and old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        return str(out)
+        return versions.write(lambda out: peft_model.save_pretrained(str(out)))
 
     return write

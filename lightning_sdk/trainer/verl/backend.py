@@ -31,18 +31,11 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.trainer.verl.batch import records_to_dataproto
 from lightning_sdk.trainer.verl.config import VerlConfig, to_verl_config
 from lightning_sdk.trainer.verl.step import run_step
-from lightning_sdk.trainer.verl.worker import LocalRanks, RayRanks
+from lightning_sdk.trainer.verl.worker import LocalRanks, RayRanks, ray_module
 
 __all__ = ["LocalRanks", "RayRanks", "VerlBackend"]
 
 logger = logging.getLogger(__name__)
-
-
-def _ray() -> Any:
-    """The ``ray`` module, untyped (its stubs are partial)."""
-    import ray
-
-    return ray
 
 
 class VerlBackend:
@@ -71,7 +64,7 @@ class VerlBackend:
                 raise ConfigError("verl backend without Ray runs one rank: set n_gpus to 1 or use Ray")
             self.ranks: LocalRanks | RayRanks = LocalRanks(self.verl_config)
             return
-        ray = _ray()
+        ray = ray_module()
         if not ray.is_initialized():
             if ray_address:
                 ray.init(address=ray_address, log_to_driver=True)
@@ -119,4 +112,4 @@ class VerlBackend:
     def shutdown(self) -> None:
         self.ranks.shutdown()
         if self._started_ray:
-            _ray().shutdown()
+            ray_module().shutdown()

@@ -26,7 +26,7 @@ import torch
 
 from lightning_sdk.errors import TrainerError
 
-__all__ = ["LocalRanks", "RayRanks", "VerlRank", "merge_lora_tensors"]
+__all__ = ["LocalRanks", "RayRanks", "VerlRank", "merge_lora_tensors", "ray_module"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ray() -> Any:
+def ray_module() -> Any:
     """The ``ray`` module, untyped (its stubs are partial)."""
     import ray
 
@@ -235,7 +235,7 @@ def _ray() -> Any:
 
 def _rendezvous() -> tuple[str, int]:
     """This node's IP and a free port (run on rank 0's bundle so every rank can reach it)."""
-    return str(_ray().util.get_node_ip_address()), _free_port()
+    return str(ray_module().util.get_node_ip_address()), _free_port()
 
 
 def _worker_env() -> dict[str, str]:
@@ -269,7 +269,7 @@ class RayRanks:
     """``n`` ``VerlRank`` Ray actors in one placement group (one bundle each)."""
 
     def __init__(self, config: Any, n: int, *, use_gpu: bool) -> None:
-        ray = _ray()
+        ray = ray_module()
         from omegaconf import OmegaConf
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -309,21 +309,21 @@ class RayRanks:
         return len(self.actors)
 
     def call(self, method: str, args: Sequence[Any]) -> list[Any]:
-        ray = _ray()
+        ray = ray_module()
         try:
             return list(ray.get([getattr(a, method).remote(arg) for a, arg in zip(self.actors, args, strict=True)]))
         except ray.exceptions.RayError as exc:
             raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        ray = _ray()
+        ray = ray_module()
         try:
             return list(ray.get([getattr(a, method).remote(*args) for a in self.actors]))
         except ray.exceptions.RayError as exc:
             raise TrainerError(f"verl rank failed in {method}: {exc}") from exc
 
     def shutdown(self) -> None:
-        ray = _ray()
+        ray = ray_module()
         for a in self.actors if hasattr(self, "actors") else []:
             ray.kill(a)
         ray.util.remove_placement_group(self.pg)
