@@ -38,7 +38,9 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
     def evaluate_model(model: torch.nn.Module) -> float:  # runs in the warm start's thread
         nonlocal rounds
         rounds += 1
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # what RL publishes too (loop.weights: the merged state with LoRA, a checkpoint for a server): the model's
+        # own state_dict holds PEFT's names under LoRA, which the engine's plain copy does not have
+        state = loop.weights()
 
         async def go() -> float:
             await loop.engine.update_weights(state, loop.version)

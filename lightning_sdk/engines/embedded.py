@@ -345,6 +345,13 @@ class EmbeddedEngine(Engine):
                     self._cond.wait()
                 with self._model_lock:
                     if adapter is None:
+                        unknown = sorted(set(state) - set(self._model.state_dict()))
+                        if unknown:  # load_state_dict(strict=False) would skip them: weights silently not served
+                            raise EngineError(
+                                f"the new weights name {len(unknown)} tensor(s) this model does not have "
+                                f"(e.g. {', '.join(unknown[:3])}): publish the model's own names (a LoRA "
+                                "learner's merged state, not the PEFT model's state_dict)"
+                            )
                         try:
                             self._model.load_state_dict(state, strict=False)
                         except RuntimeError as exc:

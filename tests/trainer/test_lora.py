@@ -235,3 +235,30 @@ def test_with_vllm_each_publication_is_the_adapter_alone(tmp_path: Path) -> None
             torch.testing.assert_close(served(ids).logits, trainer.model(ids).logits, atol=1e-5, rtol=1e-5)
     finally:
         asyncio.run(parts.close())
+
+
+def test_the_engine_refuses_weights_under_names_its_model_does_not_have() -> None:
+    """A state under PEFT's names (``...q_proj.base_layer.weight``, ``...lora_A.default.weight``) fits no tensor of
+    the engine's plain copy: ``load_state_dict(strict=False)`` would skip them and keep serving the old attention
+    weights (what the warm start's evaluations did with a LoRA learner until it published ``learner.weights()``).
+    The engine refuses such a state, naming the tensors, and serves the merged state."""
+    base = _model()
+    engine = EmbeddedEngine(copy.deepcopy(base), _word_tokenizer())
+    learner = Learner(base, LearnerConfig(lr=5e-2, lora=LoraSettings(rank=4, alpha=8, target_modules=["q_proj"])))
+    learner.update(_batch())
+
+    async def run() -> None:
+        try:
+            for peft_state in (base.state_dict(), learner.model.state_dict()):
+                with pytest.raises(EngineError, match=r"tensor\(s\) this model does not have"):
+                    await engine.update_weights(peft_state, version=1)
+            assert engine.policy_version == 0  # nothing was swapped in
+            await engine.update_weights(learner.weights(), version=1)
+            assert engine.policy_version == 1
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+    served = engine._model.state_dict()
+    merged = learner.weights()
+    assert all(torch.equal(served[k], merged[k]) for k in merged)

@@ -347,3 +347,34 @@ async def test_daemon_serves_external_workers(tmp_path: Path, small_policy: Path
     assert all(len(ckpt.consumed[s]["trained"]) == 2 for s in range(1, steps + 1))
     assert (out / "model" / "config.json").exists()
     assert pool.stats.count("succeeded") >= steps * 2 * 2
+
+
+def test_a_lora_warm_start_is_evaluated_on_the_adapted_weights(tmp_path: Path, small_policy: Path) -> None:
+    """``[learner] lora`` with a warm start: the warm start trains the adapter, and each of its evaluations serves
+    the learner's published (merged) weights. Before, the evaluation handed the engine the PEFT model's own
+    state_dict, whose attention tensors carry PEFT's names: the engine skipped them without a word and the
+    evaluations measured the base model; the engine now refuses such a state (tests/trainer/test_lora.py), so this
+    run would fail there."""
+    config = _write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={
+            "max_steps": 2,
+            "eval_every": 1,
+            "eval_below_loss": 100.0,
+            "target_success": 1.0,
+            "batch_size": 4,
+            "validation_tasks": 4,
+        },
+        rl={"steps": 1, "tasks_per_step": 2, "samples_per_task": 2, "workers": 4, "max_tokens": 16},
+        learner={"lora.rank": 4, "lora.alpha": 8.0},  # TOML dotted keys: [learner] lora = {...}
+        eval={"n": 4, "max_tokens": 16, "workers": 4},
+    )
+    out = tmp_path / "run"
+    proc = _train(config, out)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, stdout.decode()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["warm_start"]["steps"] == 2
+    assert [step for step, _ in summary["warm_start"]["history"]] == [1, 2]
+    assert summary["steps"] == 1
