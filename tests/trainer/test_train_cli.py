@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,6 +33,16 @@ def _train(config: Path, out: Path) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+def _train_to_end(config: Path, out: Path) -> tuple[dict[str, Any], str]:
+    """Run ``lightning-sdk train`` to its end (4 min at most); it must exit 0. Its summary and its output."""
+    proc = _train(config, out)
+    stdout, _ = proc.communicate(timeout=240)
+    text = stdout.decode()
+    assert proc.returncode == 0, text[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary, text
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +75,7 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
         eval={"n": 12, "max_tokens": 24, "workers": 12},
     )
     out = tmp_path / "run"
-    proc = _train(config, out)
-    stdout, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stdout.decode()[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary, stdout = _train_to_end(config, out)
     for key in ("eval_before", "eval_after"):
         assert set(summary[key]) >= {"success_rate", "mean_reward", "n"}
         assert summary[key]["n"] == 12
@@ -83,7 +91,7 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert all(r["groups"] == 4 for r in rows)
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())
-    assert "held-out success" in stdout.decode()
+    assert "held-out success" in stdout
     # the learner's and the engine's threads were chosen from the run's own steps 2-4 (one per candidate split;
     # step 1 skipped): on 2 cores 1+2, 2+2 and 1+1
     balance = summary["balance"]
@@ -92,7 +100,7 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert balance["rates"][balance["chosen"]] == max(balance["rates"].values())
     learner_threads, engine_threads = (int(n) for n in balance["chosen"].split("+"))
     assert (balance["learner_threads"], balance["engine_threads"]) == (learner_threads, engine_threads)
-    assert f"learner threads: {learner_threads}, engine threads: {engine_threads} (" in stdout.decode()
+    assert f"learner threads: {learner_threads}, engine threads: {engine_threads} (" in stdout
     # the RL workers started with the evaluation before RL ([rl] generate_during_eval, on by default): train
     # rollouts ran while the baseline was measured, and every call of that evaluation (and of those rollouts) was
     # served by the starting weights, version 0: nothing was published before the baseline was taken
@@ -370,11 +378,7 @@ def test_a_lora_warm_start_is_evaluated_on_the_adapted_weights(tmp_path: Path, s
         learner={"lora.rank": 4, "lora.alpha": 8.0},  # TOML dotted keys: [learner] lora = {...}
         eval={"n": 4, "max_tokens": 16, "workers": 4},
     )
-    out = tmp_path / "run"
-    proc = _train(config, out)
-    stdout, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stdout.decode()[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary, _ = _train_to_end(config, tmp_path / "run")
     assert summary["warm_start"]["steps"] == 2
     assert [step for step, _ in summary["warm_start"]["history"]] == [1, 2]
     assert summary["steps"] == 1
