@@ -125,7 +125,9 @@ def time_mode(
         cpu_s = (time.process_time() - c0) / len(work)
     finally:
         learner_module.first_trained = first
-    return (seconds, cpu_s), losses, {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    # a compiled model's state_dict names its tensors under ``_orig_mod.``: the plain module's names
+    plain = getattr(learner.model, "_orig_mod", learner.model)
+    return (seconds, cpu_s), losses, {k: v.detach().clone() for k, v in plain.state_dict().items()}
 
 
 def model_tokens(config: LearnerConfig, model: torch.nn.Module, records: list[Record]) -> int:

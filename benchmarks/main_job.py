@@ -89,6 +89,12 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
             f"learner threads: {b['learner_threads']}, engine threads: {b.get('engine_threads')} "
             f"(pipeline rates by learner+engine threads, trained tokens/s: {b['rates']})"
         )
+        if b.get("moved"):
+            m = b["moved"]
+            print(
+                f"  moved from {m['from']} to {m['to']} after step {m['after_step']}: the learner waited "
+                f"{100 * m['learner_idle_share']:.0f}% of {m['steps_watched']} steps"
+            )
     if measured:
         print(
             f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "

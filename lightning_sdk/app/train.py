@@ -105,7 +105,14 @@ async def run_training(
             def on_step(report: StepReport) -> None:
                 if balance is not None:
                     tokens = float(report.metrics.get("tokens", 0.0))
-                    chose = balance.after_step(report.learner_s, tokens, report.tokens_per_s, report.generated_tokens)
+                    chose = balance.after_step(
+                        report.learner_s,
+                        tokens,
+                        report.tokens_per_s,
+                        report.generated_tokens,
+                        wait_s=report.wait_s,
+                        wall_s=report.wall_s,
+                    )
                     if chose is not None:
                         note(chose)
                 if target is not None:

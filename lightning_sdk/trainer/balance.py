@@ -14,6 +14,15 @@ nothing but the trial steps themselves; the choice is printed and goes into ``su
 
 The default candidates on ``n`` cores: (1, n) and (n, n) (the learner on one core or all, the engine on all, as
 before) and, where the engine's threads can be set (the embedded engine), the even split (n // 2, n - n // 2).
+
+The trial steps see generation while the learner computes (the first steps have a backlog of groups from the
+evaluation before RL), so a split that gives the engine fewer threads looks as good there as one that gives it all
+cores, and loses the cores the learner leaves idle once generation is the slower side (measured on a 2-core AMD
+EPYC: the even split chosen by 1-4% in the trials, then the learner waited for groups 68% of RL at 282 generated
+tok/s, against 370 tok/s with the engine on both cores). So after the choice the balance watches the learner's
+wait: once it waited at least ``idle_share`` of the last ``watch`` steps' wall time while the engine has fewer
+threads than the most any candidate gives it (with the same learner threads), the engine gets those threads, once
+per job; printed and recorded (``summary.json`` ``balance.moved``).
 """
 
 from __future__ import annotations
@@ -65,8 +74,12 @@ class ThreadBalance:
     trials: int = 1
     skip: int = 1
     chosen: Split | None = None
+    watch: int = 3
+    idle_share: float = 0.25
+    moved: dict[str, Any] | None = None  # the move after the choice (module docstring), once made
     _seen: int = 0
     _trials: list[_Trial] = field(default_factory=list)
+    _idle: list[float] = field(default_factory=list)  # wait / wall of each step since the choice
 
     def __post_init__(self) -> None:
         if not self.candidates:
@@ -81,17 +94,50 @@ class ThreadBalance:
         return self.candidates[len(self._trials) % len(self.candidates)]
 
     def observe(
-        self, split: Split, learner_s: float, trained_tokens: float, generated_per_s: float, generated_tokens: float
+        self,
+        split: Split,
+        learner_s: float,
+        trained_tokens: float,
+        generated_per_s: float,
+        generated_tokens: float,
+        wait_s: float = 0.0,
+        wall_s: float = 0.0,
     ) -> bool:
-        """One step's measures (run with ``split``); True when this step made the choice."""
+        """One step's measures (run with ``split``; ``wait_s`` of its ``wall_s`` the learner waited for groups);
+        True when this step made the choice or moved it (``message()`` says which)."""
         self._seen += 1
-        if self.chosen is not None or self._seen <= self.skip or learner_s <= 0 or trained_tokens <= 0:
+        if self.chosen is not None:
+            return self._watch(wait_s, wall_s)
+        if self._seen <= self.skip or learner_s <= 0 or trained_tokens <= 0:
             return False
         self._trials.append(_Trial(split, learner_s, trained_tokens, generated_per_s, generated_tokens))
         if len(self._trials) < self.trials * len(self.candidates):
             return False
         rates = self.rates()
         self.chosen = max(rates, key=lambda s: rates[s])
+        return True
+
+    def _watch(self, wait_s: float, wall_s: float) -> bool:
+        """After the choice: give the engine more threads once the learner waits for it (module docstring)."""
+        chosen = self.chosen
+        if self.moved is not None or chosen is None or chosen[1] is None or wall_s <= 0:
+            return False
+        self._idle = [*self._idle, min(1.0, max(0.0, wait_s / wall_s))][-self.watch :]
+        more = [c for c in self.candidates if c[0] == chosen[0] and c[1] is not None and c[1] > chosen[1]]
+        if not more or len(self._idle) < self.watch:
+            return False
+        share = sum(self._idle) / len(self._idle)
+        if share < self.idle_share:
+            return False
+        to = max(more, key=lambda c: c[1] or 0)
+        self.moved = {
+            "after_step": self._seen,
+            "from": split_name(chosen),
+            "to": split_name(to),
+            "learner_idle_share": round(share, 3),
+            "steps_watched": len(self._idle),
+        }
+        self.chosen = to
         return True
 
     def rates(self) -> dict[Split, float]:
@@ -113,6 +159,13 @@ class ThreadBalance:
         chosen = self.chosen or self.next_split()
         rates = ", ".join(f"{split_name(s)} {v:.0f}" for s, v in self.rates().items())
         engine = "unchanged" if chosen[1] is None else str(chosen[1])
+        if self.moved is not None:
+            m = self.moved
+            return (
+                f"learner threads: {chosen[0]}, engine threads: {engine} (was {m['from']}: the learner waited for "
+                f"groups {100 * m['learner_idle_share']:.0f}% of the last {m['steps_watched']} steps, so generation "
+                "is the slower side and gets the cores the learner leaves idle)"
+            )
         return (
             f"learner threads: {chosen[0]}, engine threads: {engine} "
             f"(pipeline rate by learner+engine threads, trained tokens/s: {rates})"
@@ -124,6 +177,7 @@ class ThreadBalance:
             "learner_threads": self.chosen[0] if self.chosen else None,
             "engine_threads": self.chosen[1] if self.chosen else None,
             "chosen": split_name(self.chosen) if self.chosen else None,
+            "moved": self.moved,
             "candidates": [split_name(c) for c in self.candidates],
             "rates": {split_name(k): round(v, 1) for k, v in self.rates().items()} if self._trials else {},
             "trials": [
@@ -172,11 +226,19 @@ class BalancedThreads:
             self.engine.set_threads(split[1])
 
     def after_step(
-        self, learner_s: float, trained_tokens: float, generated_per_s: float, generated_tokens: float
+        self,
+        learner_s: float,
+        trained_tokens: float,
+        generated_per_s: float,
+        generated_tokens: float,
+        wait_s: float = 0.0,
+        wall_s: float = 0.0,
     ) -> str | None:
         """Observe a step run on the split set before it, set the next; the console's line when this step made
-        the choice."""
+        the choice or moved it."""
         used = (self.learner.config.threads or 0, self.engine.threads if self.engine is not None else None)
-        chose = self.balance.observe(used, learner_s, trained_tokens, generated_per_s, generated_tokens)
+        chose = self.balance.observe(
+            used, learner_s, trained_tokens, generated_per_s, generated_tokens, wait_s=wait_s, wall_s=wall_s
+        )
         self.apply()
         return self.balance.message() if chose else None

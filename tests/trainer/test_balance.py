@@ -61,6 +61,59 @@ def test_the_even_split_wins_where_oversubscribing_the_cores_slows_both_sides() 
     assert balance.message().startswith("learner threads: 1, engine threads: 1 (")
 
 
+def _choose_even_split() -> ThreadBalance:
+    """A 2-core balance whose trials chose the even split (1, 1) by a few percent, as the calc job's did."""
+    balance = ThreadBalance(candidates=default_splits(2))
+    _run(balance, {(1, 2): (5.0, 700.0), (2, 2): (6.0, 650.0), (1, 1): (4.9, 720.0)}, steps=4)
+    assert balance.chosen == (1, 1)
+    return balance
+
+
+def test_the_engine_gets_the_cores_a_waiting_learner_leaves_idle() -> None:
+    """After the choice the learner waits for groups 40-60% of each step: generation is the slower side, so the
+    engine moves to both cores (same learner threads), once; printed and recorded with what it was seen on."""
+    balance = _choose_even_split()
+    assert not balance.observe((1, 1), 3.0, 1000.0, 300.0, 4000.0, wait_s=4.0, wall_s=7.0)
+    assert not balance.observe((1, 1), 3.0, 1000.0, 300.0, 4000.0, wait_s=3.0, wall_s=7.5)
+    assert balance.next_split() == (1, 1)  # two steps watched: not yet
+    assert balance.observe((1, 1), 3.0, 1000.0, 300.0, 4000.0, wait_s=5.0, wall_s=8.0)
+    assert balance.chosen == (1, 2) and balance.next_split() == (1, 2)
+    share = (4 / 7 + 3 / 7.5 + 5 / 8) / 3
+    assert balance.moved == {
+        "after_step": 7,
+        "from": "1+1",
+        "to": "1+2",
+        "learner_idle_share": round(share, 3),
+        "steps_watched": 3,
+    }
+    assert balance.as_dict()["moved"] == balance.moved and balance.as_dict()["chosen"] == "1+2"
+    assert balance.message() == (
+        f"learner threads: 1, engine threads: 2 (was 1+1: the learner waited for groups {100 * share:.0f}% of the "
+        "last 3 steps, so generation is the slower side and gets the cores the learner leaves idle)"
+    )
+    for _ in range(5):  # once per job: the new split stays, whatever the wait
+        assert not balance.observe((1, 2), 3.0, 1000.0, 300.0, 4000.0, wait_s=0.0, wall_s=3.0)
+    assert balance.chosen == (1, 2)
+
+
+def test_a_busy_learner_or_an_engine_on_all_cores_keeps_the_choice() -> None:
+    """The learner waits 10% of its steps: the choice stays. A chosen split whose engine already has the most
+    threads, or a remote engine (threads not set), never moves however long the learner waits."""
+    balance = _choose_even_split()
+    for _ in range(6):
+        assert not balance.observe((1, 1), 5.0, 1000.0, 300.0, 4000.0, wait_s=0.6, wall_s=6.0)
+    assert balance.chosen == (1, 1) and balance.moved is None and balance.as_dict()["moved"] is None
+    whole = ThreadBalance(candidates=default_splits(2))
+    _run(whole, {(1, 2): (4.0, 900.0), (2, 2): (6.0, 650.0), (1, 1): (5.0, 720.0)}, steps=4)
+    remote = ThreadBalance(candidates=default_splits(2, engine=False))
+    _run(remote, {(1, None): (4.0, 900.0), (2, None): (6.0, 650.0)}, steps=3)
+    assert whole.chosen == (1, 2) and remote.chosen == (1, None)
+    for b, split in ((whole, (1, 2)), (remote, (1, None))):
+        for _ in range(5):
+            assert not b.observe(split, 2.0, 1000.0, 300.0, 4000.0, wait_s=6.0, wall_s=8.0)
+        assert b.chosen == split and b.moved is None
+
+
 def test_steps_that_trained_nothing_are_not_trials_and_one_candidate_is_chosen_at_once() -> None:
     balance = ThreadBalance(candidates=((1, None), (2, None)))
     balance.observe((1, None), 3.0, 100.0, 500.0, 400.0)  # skipped: step 1
@@ -114,5 +167,9 @@ def test_balanced_threads_set_each_split_on_the_learner_and_the_embedded_engine(
         assert [m for m in messages if m is not None] == [balanced.balance.message()]
         assert balanced.balance.chosen == (1, 1) and (learner.config.threads, engine.threads) == (1, 1)
         assert set(used[1 : 1 + len(candidates)]) == set(candidates)
+        # then the learner waits for groups most of each step: the engine gets both cores from its next pass
+        moves = [balanced.after_step(0.5, 1000.0, 1e6, 1000.0, wait_s=3.0, wall_s=4.0) for _ in range(3)]
+        assert moves[:2] == [None, None] and moves[2] is not None and moves[2].startswith("learner threads: 1, engine")
+        assert (learner.config.threads, engine.threads) == (1, 2) and balanced.balance.moved is not None
     finally:
         asyncio.run(engine.close())

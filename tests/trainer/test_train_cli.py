@@ -100,6 +100,7 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert balance["rates"][balance["chosen"]] == max(balance["rates"].values())
     learner_threads, engine_threads = (int(n) for n in balance["chosen"].split("+"))
     assert (balance["learner_threads"], balance["engine_threads"]) == (learner_threads, engine_threads)
+    assert balance["moved"] is None  # the choice came at step 4, the last: no steps after it were watched
     assert f"learner threads: {learner_threads}, engine threads: {engine_threads} (" in stdout
     # the RL workers started with the evaluation before RL ([rl] generate_during_eval, on by default): train
     # rollouts ran while the baseline was measured, and every call of that evaluation (and of those rollouts) was
