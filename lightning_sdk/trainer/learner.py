@@ -102,8 +102,9 @@ class LearnerConfig(BaseModel):
         True,
         description="lightning-sdk train, threads unset: the first RL steps try splits of the cores between the "
         "learner's step and the embedded engine (learner+engine threads 1+all, all+all, and the even split where "
-        "engine.threads is unset) and keep the one that ran the job faster (trainer/balance.py; printed and in "
-        "summary.json)",
+        "engine.threads is unset) and keep the one that ran the job faster; after that choice, once the learner "
+        "waited for groups at least 25% of 3 steps while the engine has fewer threads than the most a candidate "
+        "gives it, the engine gets those threads, once (trainer/balance.py; printed and in summary.json)",
     )
     share_prefix: int = Field(
         32,
