@@ -69,7 +69,7 @@ async def run_daemon(
             job.metrics.write(report.as_dict())
             job.view.step(report)
             if placed is not None:  # where the parts run now (a restarted actor may have moved)
-                steps.append(asyncio.ensure_future(placed.write(job.out)))
+                steps.append(asyncio.ensure_future(placed.write()))
 
         workers: list[Any] = []
         try:
@@ -77,14 +77,17 @@ async def run_daemon(
         finally:
             if placed is not None:
                 await asyncio.gather(*steps, return_exceptions=True)
-                with contextlib.suppress(Exception):  # where the parts ended (a restarted actor may have moved)
-                    await asyncio.wait_for(placed.write(job.out), 60)
+                # where the parts ended (a restarted actor may have moved); a part that cannot answer now (an engine
+                # whose restart is under way) stays as last seen: the engines and the learner are asked again below
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(placed.write(), 60)
                 workers = await placed.run.stop()
         if job.loop.step < config.rl.steps:
             raise RunStopped(job.loop.step)
         await asyncio.to_thread(job.parts.save_model, job.out / "model")
         if placed is not None:
             await job.parts.engine.check()  # every engine back and serving the last version (restarts: its events)
+            placements_error = await placed.refresh()
             summary = {
                 "steps": job.loop.step,
                 "wall_s": round(time.perf_counter() - t0, 2),
@@ -92,6 +95,7 @@ async def run_daemon(
                 "cluster": {
                     "ray": cluster.ray,
                     "placements": placed.last,
+                    "placements_error": placements_error,
                     "engine_events": list(job.parts.engine.events),
                     "engine_resent_calls": job.parts.engine.stats.get("resent", 0),
                     "learner_events": list(job.parts.learner.events),
@@ -123,17 +127,56 @@ class _Placed:
     def __init__(self, job: Job, run: ClusterRun) -> None:
         self.job = job
         self.run = run
+        self.out = job.out
         self.last: list[dict[str, Any]] = []
 
-    async def write(self, out: Path) -> None:
-        engines = await self.job.parts.engine.where()
+    async def _learner(self) -> list[dict[str, Any]]:
         # a RayLearner's (sync: its actor answers between steps); None for a learner in this process
         learner = await asyncio.to_thread(self.job.parts.learner.where)
-        learners = [learner] if learner is not None else []
-        self.last = [*engines, *learners, *await self.run.placements()]
+        return [learner] if learner is not None else []
+
+    async def _ask(self, *sources: Any) -> BaseException | None:
+        """Each source's parts asked at once; a source that fails (an engine down while Ray restarts it) keeps its
+        parts as last seen. ``cluster.json`` is rewritten either way; the first failure is answered."""
+        found = await asyncio.gather(*(source() for source in sources), return_exceptions=True)
+        fresh = [p for parts in found if not isinstance(parts, BaseException) for p in parts]
+        names = {p["part"] for p in fresh}
+        self.last = sorted([*fresh, *(p for p in self.last if p["part"] not in names)], key=_part_order)
+        self._save(self.out)
+        return next((e for e in found if isinstance(e, BaseException)), None)
+
+    async def write(self) -> None:
+        """Where every part runs now (``cluster.json``); raises what a source raised, after saving the rest."""
+        failed = await self._ask(self.job.parts.engine.where, self._learner, self.run.placements)
+        if failed is not None:
+            raise failed
+
+    async def refresh(self) -> str | None:
+        """At the end, with every engine back: the engines' and the learner's places asked again (the proxies and
+        workers, stopped by then, as last seen); why not, when that fails (the summary records it rather than keep
+        stale places without a word)."""
+        try:
+            failed = await asyncio.wait_for(self._ask(self.job.parts.engine.where, self._learner), 60)
+        except TimeoutError as exc:
+            failed = exc
+        if failed is None:
+            return None
+        why = f"{type(failed).__name__}: {failed}"
+        self.job.view.note(f"where the engines and the learner ended is not known (kept as last seen): {why}")
+        return why
+
+    def _save(self, out: Path) -> None:
         tmp = out / "cluster.json.tmp"
         tmp.write_text(json.dumps({"step": self.job.loop.step, "parts": self.last}, indent=2))
         tmp.replace(out / "cluster.json")
+
+
+def _part_order(part: dict[str, Any]) -> tuple[int, int, str]:
+    """``cluster.json``'s order: engines, the learner, proxies, workers (each by its number)."""
+    name = str(part["part"])
+    kind, _, index = name.partition("-")
+    kinds = ("engine", "learner", "proxy", "worker")
+    return (kinds.index(kind) if kind in kinds else len(kinds), int(index) if index.isdigit() else 0, name)
 
 
 async def _place_workers(job: Job) -> _Placed:
@@ -153,7 +196,7 @@ async def _place_workers(job: Job) -> _Placed:
         shared_store=url if (url := config.store.url) and url.startswith(("postgresql://", "postgres://")) else None,
     )
     placed = _Placed(job, run)
-    await placed.write(job.out)
+    await placed.write()
     job.view.note(
         f"{config.cluster.proxies} proxy and {config.cluster.workers} worker actors on the Ray cluster "
         f"({job.out / 'cluster.json'})"

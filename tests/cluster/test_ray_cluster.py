@@ -158,6 +158,7 @@ def test_daemon_on_a_ray_cluster_survives_losing_the_engines_node(tmp_path: Path
     trained_steps = sum(1 for row in rows if row["records"] > 0)  # a step without records does not step the learner
     assert summary["cluster"]["learner_steps"] == trained_steps
     final = {p["part"]: p for p in summary["cluster"]["placements"]}
+    assert summary["cluster"]["placements_error"] is None  # asked again once every engine was back
     assert final["learner"]["pid"] not in (learner["pid"], proc.pid) and final["learner"]["steps"] == trained_steps
     assert final["proxy-0"]["pid"] != proxy["pid"]  # Ray restarted the proxy actor (same host and port)
     # the learner's weights reached every engine: each serves the last step's version

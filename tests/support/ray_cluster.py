@@ -42,6 +42,17 @@ RAY = str(Path(sys.executable).with_name("ray"))
 SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_timeout_ms": 500}
 
 
+def _worker_ports(taken: list[int]) -> int:
+    """The first port of a 100-port worker range (within 20000-59999) holding none of ``taken`` (the node's other
+    ports and the head's): Ray refuses to start a node whose worker ports overlap another component's (seen in CI:
+    the object manager's free port 38787 fell in the range 38700-38799)."""
+    for k in range(400):
+        low = 20000 + ((taken[0] + 37 * k) % 400) * 100
+        if not any(low <= p <= low + 99 for p in taken):
+            return low
+    raise AssertionError(f"no 100-port worker range clear of {taken}")
+
+
 @dataclass
 class RayNode:
     name: str
@@ -116,7 +127,7 @@ class RayCluster:
 
     def _start(self, name: str, args: list[str], num_cpus: int, resources: dict[str, float]) -> RayNode:
         ports = [free_port() for _ in range(7)]
-        low = 20000 + (ports[0] % 400) * 100
+        low = _worker_ports([*ports, self.port])
         cmd = [
             RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1",
             f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}",
