@@ -63,6 +63,14 @@ async def answers(engine: VLLMEngine, prompts: list[list[int]], *, stream: bool 
     return out
 
 
+def _distinct(a: Answers, b: Answers) -> bool:
+    """Two answers the comparison can tell apart: other ids, or the same ids with log-probs far past the tolerance
+    (seeded sampling from two close adapters often picks the same tokens; their log-probs still differ)."""
+    if a.ids != b.ids:
+        return True
+    return _close(a, b) > 100 * LOGPROB_TOL
+
+
 def _close(a: Answers, b: Answers) -> float:
     assert a.ids == b.ids
     return max(abs(x - y) for ra, rb in zip(a.logprobs, b.logprobs, strict=True) for x, y in zip(ra, rb, strict=True))
@@ -144,8 +152,8 @@ async def test_runtime_loaded_adapter_equals_a_fresh_server(setup: Setup) -> Non
     adapter: ids equal, log-probs within 1e-3, non-streamed and streamed; going back to an earlier adapter (a new
     version from the same weights) answers as that one again; every call records the version that served it."""
     fresh = setup.fresh
-    assert fresh["a1"].ids != fresh["base"].ids or fresh["a1"].logprobs != fresh["base"].logprobs
-    assert fresh["a2"].ids != fresh["a1"].ids  # the two versions do answer differently
+    # the three answer differently, so "equals the fresh one" below can tell a version from another
+    assert _distinct(fresh["a1"], fresh["base"]) and _distinct(fresh["a2"], fresh["a1"])
     engine = VLLMEngine(setup.server.url)
     try:
         base = await answers(engine, setup.prompts)
