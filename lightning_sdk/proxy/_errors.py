@@ -202,6 +202,28 @@ def _check_tools(body: dict[str, Any]) -> None:
         raise _bad("tool_choice", f"names function {name!r}, which is not in tools")
 
 
+def _check_message_fields(m: dict[str, Any], where: str) -> None:
+    """A message's ``name``, ``tool_call_id`` and ``tool_calls``: what rendering and the call's record read."""
+    for key in ("name", "tool_call_id"):
+        value = m.get(key)
+        if value is not None and not isinstance(value, str):
+            raise _bad(f"{where}.{key}", "must be a string or null")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", "must be a list of tool calls or null")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}.tool_calls[{j}].function.name", "required, a string")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise _bad(f"{where}.tool_calls[{j}].id", "must be a string")
+        arguments = fn.get("arguments")
+        if arguments is not None and not isinstance(arguments, str | dict):
+            raise _bad(f"{where}.tool_calls[{j}].function.arguments", "must be a string of JSON")
+
+
 def validate_chat(raw: Any) -> dict[str, Any]:
     """Check the fields the proxy relies on; raise a 400 naming the first bad field."""
     body = _check_common(raw)
@@ -217,6 +239,10 @@ def validate_chat(raw: Any) -> dict[str, Any]:
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _bad(f"messages[{i}].content", "must be a string, a list of content parts or null")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict | str):
+                raise _bad(f"messages[{i}].content[{j}]", "must be a content part object")
+        _check_message_fields(m, f"messages[{i}]")
     _check_tools(body)
     _check_response_format(body)
     if "logprobs" in body and not isinstance(body["logprobs"], bool | None):

@@ -28,8 +28,15 @@ Message = dict[str, Any]
 _ALNUM = string.ascii_letters + string.digits
 
 
+_TEXT_PART_TYPES = ("text", "input_text", "output_text")  # a part of these types without a string holds no text
+
+
 def message_text(content: Any) -> str:
-    """The text of an OpenAI ``content`` field: a string, a list of ``{"type": "text", "text": ...}`` parts, or None."""
+    """The text of an OpenAI ``content`` field: a string, a list of ``{"type": "text", "text": ...}`` parts, or None.
+
+    A part a text policy cannot see (an image, an audio clip, a file) becomes a ``[type]`` placeholder, as the
+    Responses and Messages surfaces do, so the prompt shows that something was there instead of losing it without a
+    trace; a ``refusal`` part gives its text."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -39,6 +46,10 @@ def message_text(content: Any) -> str:
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
+            elif isinstance(part, Mapping) and isinstance(part.get("refusal"), str):
+                parts.append(part["refusal"])
+            elif isinstance(part, Mapping) and part.get("type") not in _TEXT_PART_TYPES:
+                parts.append(f"[{part.get('type')}]")
             elif isinstance(part, str):
                 parts.append(part)
         return "".join(parts)

@@ -45,6 +45,33 @@ def _post(px: ProxyHandle, token: str | None, body: Any = None, **kw: Any) -> ht
         ({"model": "policy", "messages": []}, "messages"),
         ({"model": "policy", "messages": [{"role": "user", "content": "a"}, {"role": "robot"}]}, "messages[1].role"),
         ({"model": "policy", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        # what hypothesis found in the slow fuzz (a 500 from the token mode's prompt render): tool_calls not a list
+        (
+            {"model": "policy", "messages": [{"role": "user", "content": "hi", "tool_calls": 1}]},
+            "messages[0].tool_calls",
+        ),
+        (
+            {"model": "policy", "messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            {
+                "model": "policy",
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": 7}}],
+                    }
+                ],
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
+        (
+            {"model": "policy", "messages": [{"role": "tool", "content": "4", "tool_call_id": 3}]},
+            "messages[0].tool_call_id",
+        ),
+        ({"model": "policy", "messages": [{"role": "user", "content": "hi", "name": ["a"]}]}, "messages[0].name"),
+        ({"model": "policy", "messages": [{"role": "user", "content": ["a", 1]}]}, "messages[0].content[1]"),
         ({**CHAT, "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
         ({**CHAT, "max_tokens": 0}, "max_tokens"),
         ({**CHAT, "stream": "yes"}, "stream"),

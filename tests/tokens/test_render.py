@@ -219,3 +219,25 @@ def test_cut_off_reply_is_closed_by_the_template_marker(name: str) -> None:
     closing = result.prompt_ids[len(first.prompt_ids) + len(cut) :]
     assert closing[0] in renderer.stop_token_ids or renderer.decode(closing).startswith(renderer.family.end_markers)
     assert renderer.render_text(follow).endswith(renderer.decode(closing))
+
+
+def test_a_part_the_text_policy_cannot_see_is_a_placeholder_in_the_prompt() -> None:
+    """An image or audio part of a chat message is rendered as ``[type]`` (as the Responses and Messages surfaces do),
+    never dropped without a trace; text and refusal parts give their text; a text part without text gives nothing."""
+    renderer = renderer_for("qwen2.5")
+    content = [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "text", "text": None},
+        "?",
+    ]
+    msgs = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot see images."}]},
+        {"role": "user", "content": "ok"},
+    ]
+    text = renderer.decode(render_prompt(renderer, msgs).prompt_ids)
+    assert "What is in [image_url][input_audio]?" in text
+    assert "I cannot see images." in text
+    assert "[text]" not in text and "[refusal]" not in text

@@ -477,6 +477,8 @@ async def test_tool_choice_required_and_named_are_forced_and_never_trained(
         ({"seed": 2**64}, "seed"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": 1}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": ["f"]}]}, "messages[0].tool_calls[0].function.name"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"response_format": {"type": "xml"}}, "response_format"),
