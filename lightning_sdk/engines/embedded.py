@@ -32,6 +32,7 @@ Rows of different adapters (and of the bare base) share one batch: each forward 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: per layer: (keys, values), each [heads, tokens, head_dim] (one sequence) or [batch, heads, tokens, head_dim]
 _KV = list[tuple[torch.Tensor, torch.Tensor]]
+#: a prefix cache key: (length, hash of the ids, namespace: the adapter that computed the KV, None for the base)
+_Key = tuple[int, int, str | None]
 
 
 @dataclass
@@ -109,13 +112,20 @@ def _prefix_hashes(ids: list[int]) -> list[int]:
 
 
 class PrefixCache:
-    """The KV of recent token sequences, looked up by longest cached prefix; an LRU bounded in tokens."""
+    """The KV of recent token sequences, looked up by longest cached prefix; an LRU bounded in tokens.
 
-    def __init__(self, max_tokens: int) -> None:
+    Each sequence's KV is stored once. Its prefixes at multiples of ``chunk`` tokens (a shared head: the system
+    prompt and tools every call of a harness starts with) are indexed to it, and a lookup that matches one gives a
+    view of the sequence's first tokens: a 5.7k-token prompt is one entry, not one copy per chunk (storing every
+    chunk's prefix as its own copy cloned ~40 GB of KV for one cold coding-CLI prompt on SmolLM2)."""
+
+    def __init__(self, max_tokens: int, chunk: int = 16) -> None:
         self.max_tokens = max_tokens
+        self.chunk = chunk
         self.tokens = 0
-        self._entries: OrderedDict[tuple[int, int, str | None], tuple[tuple[int, ...], _KV]] = OrderedDict()
-        self._lengths: dict[int, int] = {}  # sequence length -> entries of that length
+        self._entries: OrderedDict[_Key, tuple[tuple[int, ...], _KV, list[_Key]]] = OrderedDict()
+        self._index: dict[_Key, _Key] = {}  # a prefix (chunk multiple or whole) -> the newest entry that holds it
+        self._lengths: dict[int, int] = {}  # indexed prefix length -> index keys of that length
         self.hits = 0
         self.misses = 0
         self.reused_tokens = 0
@@ -127,15 +137,12 @@ class PrefixCache:
         """Forget every entry, or (``everything=False``) only those of ``namespace`` (one adapter's KV)."""
         if everything:
             self._entries.clear()
+            self._index.clear()
             self._lengths.clear()
             self.tokens = 0
             return
         for key in [k for k in self._entries if k[2] == namespace]:
-            del self._entries[key]
-            self.tokens -= key[0]
-            self._lengths[key[0]] -= 1
-            if not self._lengths[key[0]]:
-                del self._lengths[key[0]]
+            self._drop(key)
 
     def put(self, ids: list[int], kv: _KV, namespace: str | None = None) -> None:
         """Remember the KV of ``ids`` (one sequence: [heads, len(ids), head_dim] per layer; stored as given), computed
@@ -143,37 +150,66 @@ class PrefixCache:
         n = len(ids)
         if n == 0 or n > self.max_tokens:
             return
-        key = (n, _prefix_hashes(ids)[-1], namespace)
+        hashes = _prefix_hashes(ids)
+        key = (n, hashes[-1], namespace)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        self._entries[key] = (tuple(ids), kv)
-        self._lengths[n] = self._lengths.get(n, 0) + 1
+        prefixes = [(m, hashes[m - 1], namespace) for m in [*range(self.chunk, n, self.chunk), n]]
+        self._entries[key] = (tuple(ids), kv, prefixes)
+        for p in prefixes:
+            if p not in self._index:
+                self._lengths[p[0]] = self._lengths.get(p[0], 0) + 1
+            self._index[p] = key  # the newest entry holding a prefix serves it (the last to be evicted)
         self.tokens += n
         while self.tokens > self.max_tokens:
-            (length, _, _), _ = self._entries.popitem(last=False)
-            self.tokens -= length
-            self._lengths[length] -= 1
-            if not self._lengths[length]:
-                del self._lengths[length]
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: _Key) -> None:
+        _, _, prefixes = self._entries.pop(key)
+        self.tokens -= key[0]
+        for p in prefixes:
+            if self._index.get(p) == key:
+                del self._index[p]
+                self._lengths[p[0]] -= 1
+                if not self._lengths[p[0]]:
+                    del self._lengths[p[0]]
 
     def lookup(self, ids: list[int], namespace: str | None = None) -> tuple[int, _KV | None]:
-        """The longest cached sequence of ``namespace`` that ``ids`` starts with: (its length, its KV), or (0, None)."""
-        if not self._entries:
+        """The longest cached prefix of ``ids`` computed by ``namespace``: (its length, its KV: views of the first
+        tokens of the entry that holds it), or (0, None)."""
+        n, kv = self.peek(ids, namespace)
+        if kv is None:
             self.misses += 1
+        else:
+            self.hits += 1
+        return n, kv
+
+    def peek(self, ids: list[int], namespace: str | None = None) -> tuple[int, _KV | None]:
+        """``lookup`` without counting a hit or a miss."""
+        if not self._entries:
             return 0, None
         hashes = _prefix_hashes(ids)
         for n in sorted(self._lengths, reverse=True):
             if n > len(ids):
                 continue
-            key = (n, hashes[n - 1], namespace)
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] == tuple(ids[:n]):
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return n, entry[1]
-        self.misses += 1
+            entry_key = self._index.get((n, hashes[n - 1], namespace))
+            if entry_key is None:
+                continue
+            seq, kv, _ = self._entries[entry_key]
+            if seq[:n] == tuple(ids[:n]):
+                self._entries.move_to_end(entry_key)
+                return n, kv if n == len(seq) else [(k[:, :n], v[:, :n]) for k, v in kv]
         return 0, None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class EmbeddedEngine(Engine):
@@ -196,7 +232,11 @@ class EmbeddedEngine(Engine):
         prefix_cache_tokens: int = 32768,
         continuous: bool = True,
         threads: int | None = None,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in ("fp32", "bf16"):
+            raise EngineError(f"engine precision must be 'fp32' or 'bf16', got {precision!r}")
+        self.precision = precision
         self._threads = threads
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(self._device)  # type: ignore[arg-type]
@@ -218,7 +258,7 @@ class EmbeddedEngine(Engine):
         self._continuous = continuous
         full_attention = all(t == "full_attention" for t in (getattr(model.config, "layer_types", None) or []))
         self.prefix_cache: PrefixCache | None = (
-            PrefixCache(prefix_cache_tokens) if prefix_cache and full_attention else None
+            PrefixCache(prefix_cache_tokens, self.PREFIX_CHUNK) if prefix_cache and full_attention else None
         )
         self.stats: dict[str, Any] = {
             "batches": 0,  # prefills (a group of requests joining the batch)
@@ -229,6 +269,7 @@ class EmbeddedEngine(Engine):
             "prompt_tokens": 0,
             "reused_tokens": 0,  # prompt tokens served from the prefix cache
             "busy_s": 0.0,  # seconds the worker spent prefilling and decoding
+            "shared_head_tokens": 0,  # prompt heads shared by rows admitted together, prefilled once for all
         }
         self._thread = threading.Thread(target=self._run, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -430,7 +471,7 @@ class EmbeddedEngine(Engine):
                 self.stats["threads"] = torch.get_num_threads()
             t0 = time.perf_counter()
             try:
-                with self._model_lock, torch.inference_mode():
+                with self._model_lock, torch.inference_mode(), self._autocast():
                     if admit:
                         for req in admit:
                             req.version = self._version if req.adapter is None else self._adapters[req.adapter]
@@ -447,6 +488,13 @@ class EmbeddedEngine(Engine):
                 with self._cond:
                     self._running = 0
                     self._cond.notify_all()
+
+    def _autocast(self) -> Any:
+        """The forward passes' autocast: bfloat16 matrix products with ``precision="bf16"`` (the KV cache and the
+        log-probs' softmax follow the model's outputs; sampled log-probs carry bf16 rounding, ~1e-2), else none."""
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=torch.bfloat16)
 
     def _admit_now(self, batch: _Batch) -> bool:
         """Whether waiting requests join the running batch now: a prefill is a forward pass of its own, so they
@@ -465,6 +513,8 @@ class EmbeddedEngine(Engine):
         """
         self.stats["batches"] += 1
         self.stats["requests"] += len(admit)
+        if self.prefix_cache is not None and len(admit) > 1:
+            self._prefill_shared_heads(admit)
         past: list[_KV | None] = []
         hits: list[int] = []
         for req in admit:
@@ -501,19 +551,61 @@ class EmbeddedEngine(Engine):
         logits = out.logits[:, -1, :].float()
         kv = _cache_kv(cache)
         if self.prefix_cache is not None:
-            chunk = self.PREFIX_CHUNK
             for i, r in enumerate(admit):
-                if hits[i]:
+                if len(r.input_ids) - hits[i] < self.PREFIX_CHUNK:
                     continue
-                # a cold prompt: its group's other rollouts start with it, and other prompts with its head (system
-                # prompt, tools): keep it and its prefixes at multiples of PREFIX_CHUNK tokens
-                n_all = len(r.input_ids)
-                start = total - n_all
-                for n in [*range(chunk, n_all, chunk), n_all]:
-                    row = [(k[i, :, start : start + n].clone(), v[i, :, start : start + n].clone()) for k, v in kv]
-                    self.prefix_cache.put(r.input_ids[:n], row, r.adapter)
+                # its group's other rollouts start with this prompt, and other prompts with its head (system prompt,
+                # tools): keep it (the cache indexes its prefixes at multiples of PREFIX_CHUNK tokens)
+                start = total - len(r.input_ids)
+                row = [(k[i, :, start:].clone(), v[i, :, start:].clone()) for k, v in kv]
+                self.prefix_cache.put(r.input_ids, row, r.adapter)
         batch.merge(admit, kv, mask.to(dev), torch.tensor([len(r.input_ids) for r in admit], device=dev), logits)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.rows))
+
+    def _prefill_shared_heads(self, admit: list[_Request]) -> None:
+        """Run once, alone, each long head that several admitted prompts share and the cache lacks, and cache it.
+
+        A group's rollouts send the same first prompt at once, and every call of a coding CLI starts with the same
+        thousands of tokens (its instructions and tools): prefilled in one batch, each row would compute that head
+        on its own (four 5.7k-token rows: four times the work and a [4, heads, 5.7k, 5.7k] attention). The head runs
+        as one row and goes into the prefix cache, so the batch's lookups below reuse it."""
+        assert self.prefix_cache is not None
+        chunk = self.PREFIX_CHUNK
+        groups: dict[tuple[str | None, tuple[int, ...]], list[_Request]] = {}
+        for r in admit:
+            if len(r.input_ids) > 4 * chunk:
+                groups.setdefault((r.adapter, tuple(r.input_ids[:chunk])), []).append(r)
+        for (adapter, _), rows in groups.items():
+            if len(rows) < 2:
+                continue
+            first = rows[0].input_ids
+            head = min(min(_common_prefix(first, r.input_ids), len(r.input_ids) - 1) for r in rows[1:])
+            head = min(head, len(first) - 1) // chunk * chunk
+            cached = max(self.prefix_cache.peek(r.input_ids[:head], adapter)[0] for r in rows)
+            if head - cached < 4 * chunk:  # little to share: the batch prefills it as it is
+                continue
+            self._prefill_alone(first[:head], adapter)
+            self.stats["shared_head_tokens"] += head - cached
+
+    def _prefill_alone(self, ids: list[int], adapter: str | None) -> None:
+        """Prefill ``ids`` as one row (past its cached prefix) and put its KV in the prefix cache."""
+        assert self.prefix_cache is not None
+        n, kv = self.prefix_cache.lookup(ids, adapter)
+        n = min(n, len(ids) - 1)
+        cache = DynamicCache()
+        if kv is not None and n > 0:
+            cache = DynamicCache(ddp_cache_data=[(k[None, :, :n], v[None, :, :n]) for k, v in kv])
+        dev = self._device
+        self._model(
+            input_ids=torch.tensor([ids[n:]], device=dev),
+            attention_mask=torch.ones((1, len(ids)), dtype=torch.long, device=dev),
+            position_ids=torch.arange(n, len(ids), device=dev).unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **({"adapter_names": [adapter or _BASE]} if self._adapters else {}),
+        )
+        self.prefix_cache.put(ids, [(k[0], v[0]) for k, v in _cache_kv(cache)], adapter)
 
     def _step(self, batch: _Batch) -> None:
         """Sample one token for every live row and run the batch one position on.

@@ -66,6 +66,13 @@ class EngineConfig(BaseModel):
         description="embedded: torch intra-op threads of the engine's thread (torch keeps them per thread; default: "
         "the process's, all cores)",
     )
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32",
+        description="embedded: the forward passes' compute dtype (bf16: autocast to bfloat16; the sampled log-probs "
+        "then carry bf16 rounding, which the learner's importance ratio sees); auto: bf16 where the CPU has AVX-512 "
+        "BF16 or AMX, else fp32. SmolLM2's 5.7k-token prefill took 19 s in fp32 and 5.6 s in bf16 on a 2-core Xeon "
+        "with AMX",
+    )
 
     @model_validator(mode="after")
     def _servers(self) -> EngineConfig:
@@ -150,7 +157,18 @@ def open_engine(
         return _remote_engine(config, model_dir, tokenizer, lora_rank=lora_rank)
     from lightning_sdk.engines.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(copy.deepcopy(model), tokenizer, max_batch_size=config.max_batch_size, threads=config.threads)
+    precision = config.precision
+    if precision == "auto":
+        from lightning_sdk._cpu import cpu_has_bf16
+
+        precision = "bf16" if cpu_has_bf16() else "fp32"
+    return EmbeddedEngine(
+        copy.deepcopy(model),
+        tokenizer,
+        max_batch_size=config.max_batch_size,
+        threads=config.threads,
+        precision=precision,
+    )
 
 
 def _remote_engine(

@@ -296,3 +296,64 @@ async def test_set_threads_changes_the_engine_threads_from_its_next_pass(policy_
         assert engine.threads == 1
     finally:
         await engine.close()
+
+
+def test_prefix_cache_stores_a_sequence_once_and_serves_its_chunk_prefixes() -> None:
+    """One entry per sequence, its prefixes at multiples of the chunk indexed to it: a prompt that shares the first
+    40 tokens of a cached 100-token sequence gets a view of its first 32 (the last whole chunk), and evicting the
+    entry forgets those prefixes too."""
+    from lightning_sdk.engines.embedded import PrefixCache
+
+    cache = PrefixCache(max_tokens=150, chunk=16)
+    seq = list(range(1000, 1100))
+    kv = [(torch.arange(2 * 100 * 3.0).reshape(2, 100, 3), -torch.arange(2 * 100 * 3.0).reshape(2, 100, 3))]
+    cache.put(seq, kv)
+    assert len(cache) == 1 and cache.tokens == 100
+    n, got = cache.lookup(seq[:40] + [7, 8, 9])
+    assert n == 32 and got is not None
+    assert torch.equal(got[0][0], kv[0][0][:, :32]) and torch.equal(got[0][1], kv[0][1][:, :32])
+    assert cache.lookup(seq + [5])[0] == 100  # the whole sequence
+    assert cache.lookup(seq[:15] + [5])[0] == 0  # shorter than a chunk: not indexed
+    assert cache.lookup(seq[:40], "adapter-a")[0] == 0  # another namespace's KV is never served
+    assert cache.hits == 2 and cache.misses == 2
+    other = list(range(2000, 2080))
+    cache.put(other, [(torch.zeros(2, 80, 3), torch.zeros(2, 80, 3))])  # 180 tokens > 150: the oldest goes
+    assert len(cache) == 1 and cache.tokens == 80
+    assert cache.lookup(seq[:40])[0] == 0 and cache.lookup(other[:33])[0] == 32
+
+
+async def test_rows_admitted_together_prefill_their_shared_head_once(policy_dir: Path) -> None:
+    """Four prompts that share a 200-token head and arrive at once (a group's rollouts, a CLI's instructions): the
+    head is prefilled once for all of them, and every row records the log-probs of a plain forward pass."""
+    model, _ = load_policy(policy_dir)
+    engine = EmbeddedEngine.from_pretrained(policy_dir, max_batch_size=64)
+    try:
+        head = [int(i) for i in engine.tokenizer.encode("You are a careful agent. " * 40)][:200]
+        assert len(head) == 200
+        prompts = [head + _prompt(engine, q) for q in ("Add 1 and 2.", "Add 3 and 4.", "Add 5 and 6.", "Add 7 and 8.")]
+        sampling = Sampling(max_tokens=6, temperature=1.0, seed=9)
+        gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+        assert engine.stats["shared_head_tokens"] >= 192  # the head's whole chunks, once
+        assert engine.stats["batches"] == 1
+        assert engine.stats["reused_tokens"] >= 4 * 192
+        for prompt, gen in zip(prompts, gens, strict=True):
+            assert gen.logprobs == pytest.approx(_reference_logprobs(model, prompt, gen.completion_ids, 1.0), abs=2e-4)
+    finally:
+        await engine.close()
+
+
+async def test_bf16_engine_samples_within_bf16_rounding_of_fp32(policy_dir: Path) -> None:
+    """``precision="bf16"`` autocasts the forward passes: greedy answers' log-probs within bf16 rounding of a plain
+    fp32 forward pass, not equal to it; an unknown precision is refused."""
+    model, _ = load_policy(policy_dir)
+    with pytest.raises(EngineError, match="precision"):
+        EmbeddedEngine(model, load_policy(policy_dir)[1], precision="fp16")
+    engine = EmbeddedEngine.from_pretrained(policy_dir, precision="bf16")
+    try:
+        prompt = _prompt(engine, "What is 6 times 7?")
+        gen = await engine.generate(prompt, Sampling(max_tokens=8, temperature=1.0, seed=1))
+        ref = _reference_logprobs(model, prompt, gen.completion_ids, 1.0)
+        diff = max(abs(a - b) for a, b in zip(gen.logprobs, ref, strict=True))
+        assert 0 < diff < 0.1
+    finally:
+        await engine.close()
