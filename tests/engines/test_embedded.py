@@ -309,11 +309,11 @@ def test_prefix_cache_stores_a_sequence_once_and_serves_its_chunk_prefixes() -> 
     kv = [(torch.arange(2 * 100 * 3.0).reshape(2, 100, 3), -torch.arange(2 * 100 * 3.0).reshape(2, 100, 3))]
     cache.put(seq, kv)
     assert len(cache) == 1 and cache.tokens == 100
-    n, got = cache.lookup(seq[:40] + [7, 8, 9])
+    n, got = cache.lookup([*seq[:40], 7, 8, 9])
     assert n == 32 and got is not None
     assert torch.equal(got[0][0], kv[0][0][:, :32]) and torch.equal(got[0][1], kv[0][1][:, :32])
-    assert cache.lookup(seq + [5])[0] == 100  # the whole sequence
-    assert cache.lookup(seq[:15] + [5])[0] == 0  # shorter than a chunk: not indexed
+    assert cache.lookup([*seq, 5])[0] == 100  # the whole sequence
+    assert cache.lookup([*seq[:15], 5])[0] == 0  # shorter than a chunk: not indexed
     assert cache.lookup(seq[:40], "adapter-a")[0] == 0  # another namespace's KV is never served
     assert cache.hits == 2 and cache.misses == 2
     other = list(range(2000, 2080))
