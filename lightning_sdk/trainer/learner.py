@@ -26,7 +26,6 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -34,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.precision import autocast, cpu_has_bf16, wants_bf16
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
@@ -222,17 +222,6 @@ def _logits(
     return torch.cat([head.logits.expand(rows, -1, -1), tail.logits], dim=1)
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this machine's CPU computes bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
-    flags, and torch's oneDNN built with bf16): where ``precision = "auto"`` picks bf16."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    words = set(flags.split())
-    return bool(words & {"avx512_bf16", "amx_bf16"}) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 class Learner(LearnerLike):
     """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
@@ -259,14 +248,11 @@ class Learner(LearnerLike):
             self.config.clip_ratio_low, self.config.clip_ratio_high, self.config.clip_ratio_c
         )
         self.steps = 0
-        precision = self.config.precision
-        self.bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cpu" and cpu_has_bf16())
+        self.bf16 = wants_bf16(self.config.precision, self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward passes' autocast (bf16 when ``precision`` says so; else nothing)."""
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return autocast(self.bf16, self.device)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW moments and warmup (after the warm start changed the weights outside this learner)."""
