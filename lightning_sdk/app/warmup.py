@@ -59,11 +59,13 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
     loop.learner.reset_optimizer()  # the supervised steps moved the weights the optimizer's moments were for
     await loop.engine.update_weights(await asyncio.to_thread(loop.weights), loop.version)
     threads = ", ".join(f"{n} from step {s}" for s, n in result.threads) or "as set"
-    note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s (threads: {threads})")
+    shared = f", shared prefix {result.shared_prefix} tokens" if job.config.warm_start.share_prefix else ""
+    note(f"warm start: {result.steps} steps, {result.wall_s:.0f} s (threads: {threads}){shared}")
     return {
         "steps": result.steps,
         "success": result.success,
         "history": result.history,
         "wall_s": result.wall_s,
         "threads": result.threads,
+        "shared_prefix": result.shared_prefix,
     }

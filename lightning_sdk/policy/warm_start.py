@@ -8,6 +8,11 @@ the task, which is what RL is for.
 
 Only assistant turns are trained (the loss mask), each up to and including its end-of-turn token: the same tokens
 the policy will later sample.
+
+With ``share_prefix``, the head that a step's rows all start with (a coding CLI's system prompt and tool
+definitions: ~5.7k of ~5.7k+ tokens for Codex) runs once, without autograd, and each row's own tokens run after its
+keys/values: the loss is the whole-row loss, the gradient is the whole-row gradient with the head's keys/values held
+constant (the head is context, never trained).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.errors import TokenizationError
+from lightning_sdk.precision import Precision, autocast, wants_bf16
 
 __all__ = [
     "ThreadChoice",
@@ -60,6 +66,23 @@ class WarmStartConfig(BaseModel):
         "step on 1 thread and one on all of them, the faster kept until the next measurement",
     )
     retune_every: int = Field(20, ge=2, description="with `threads` None: measure the thread counts this often")
+    share_prefix: int = Field(
+        0,
+        ge=0,
+        description="when a step's rows all start with the same N or more tokens (a coding CLI's system prompt and "
+        "tools), their longest common prefix, cut before the first trained token's prediction, runs once under "
+        "no_grad and only each row's own tokens run with gradients, after its keys/values: the same loss, the "
+        "gradient with the prefix's keys/values held constant (the prompt is context, never trained; with LoRA, "
+        "the gradient through how the adapter changes the prompt's keys/values is dropped), and none of the "
+        "prefix's activations kept. For multi-thousand-token shared prompts, where the whole-row step's time and "
+        "memory are the prefix's; 0: off",
+    )
+    precision: Precision = Field(
+        "fp32",
+        description="the forward passes' compute dtype, as learner.precision: bf16 autocasts them to bfloat16 "
+        "(weights, gradients and the optimizer stay fp32); auto: bf16 where the CPU has AVX-512 BF16 or AMX "
+        "(cpu_has_bf16), else fp32",
+    )
 
 
 @dataclass
@@ -70,6 +93,7 @@ class WarmStartResult:
     wall_s: float
     stopped: bool = False  # ``should_stop`` ended it before the target or ``max_steps``
     threads: list[tuple[int, int]] = field(default_factory=list)  # (from step, threads) each time the choice moved
+    shared_prefix: int = 0  # tokens the last step's rows shared and ran once under no_grad (share_prefix; 0: none)
 
 
 class ThreadChoice:
@@ -231,6 +255,8 @@ def warm_start(
     stopped = False
     threads_before = torch.get_num_threads()  # torch keeps the count per calling thread: put it back at the end
     choice = ThreadChoice(cfg.threads, cfg.retune_every, threads_before)
+    bf16 = wants_bf16(cfg.precision, device)
+    shared = 0
     try:
         while step < cfg.max_steps:
             if should_stop is not None and should_stop():
@@ -241,8 +267,17 @@ def warm_start(
             if torch.get_num_threads() != n_threads:
                 torch.set_num_threads(n_threads)
             t_step = time.perf_counter()
-            loss, tokens = _supervised_step(model, optimizer, scheduler, rows, rng, cfg, pad, device)
+            loss, tokens, shared = _supervised_step(model, optimizer, scheduler, rows, rng, cfg, pad, device, bf16)
             choice.observe(step, n_threads, time.perf_counter() - t_step, tokens)
+            if step == 0 and (cfg.share_prefix or bf16):
+                logger.info(
+                    "warm start: %d-token shared prefix run once without gradients (share_prefix %d, longest row %d)"
+                    "; %s forward passes",
+                    shared,
+                    cfg.share_prefix,
+                    max(len(ids) for ids, _ in rows),
+                    "bf16" if bf16 else "fp32",
+                )
             step += 1
             loss_ok = cfg.eval_below_loss is None or loss <= cfg.eval_below_loss
             if step % cfg.eval_every == 0 and loss_ok:
@@ -262,6 +297,7 @@ def warm_start(
         wall_s=time.perf_counter() - t0,
         stopped=stopped,
         threads=choice.history,
+        shared_prefix=shared,
     )
 
 
@@ -274,22 +310,86 @@ def _supervised_step(
     cfg: WarmStartConfig,
     pad: int,
     device: torch.device,
-) -> tuple[float, int]:
-    """One supervised step on a random batch of ``rows``: its loss and its padded tokens."""
+    bf16: bool = False,
+) -> tuple[float, int, int]:
+    """One supervised step on a random batch of ``rows``: its loss, its padded tokens (a shared prefix counted once)
+    and the length of the prefix its rows shared (``shared_prefix``; 0: whole rows)."""
     model.train()
     chosen = rng.sample(rows, min(cfg.batch_size, len(rows)))
-    width = max(len(ids) for ids, _ in chosen)
-    ids_t = torch.full((len(chosen), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(ids_t)
-    labels = torch.full_like(ids_t, -100)
-    for i, (ids, mask) in enumerate(chosen):
-        ids_t[i, : len(ids)] = torch.tensor(ids)
-        attn[i, : len(ids)] = 1
-        labels[i, : len(ids)] = torch.where(torch.tensor(mask) == 1, torch.tensor(ids), -100)
-    out = model(input_ids=ids_t.to(device), attention_mask=attn.to(device), labels=labels.to(device))
+    prefix = _shared_prefix(chosen, cfg.share_prefix)
+    with autocast(bf16, device):
+        loss, tokens = _batch_loss(model, chosen, pad, device, prefix)
     optimizer.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     optimizer.step()
     scheduler.step()
-    return float(out.loss.item()), int(ids_t.numel())
+    return float(loss.item()), tokens, prefix
+
+
+def _shared_prefix(chosen: Sequence[tuple[list[int], list[int]]], minimum: int) -> int:
+    """The longest prefix that all of ``chosen`` (token ids, loss mask) start with and that can run as constant
+    context, or 0 when ``minimum`` is 0 or it is shorter than ``minimum``.
+
+    It leaves every row at least one token of its own and stops before the position that predicts the first trained
+    token of any row: that token's prediction is made at the position before it, which must run with gradients (so
+    the prefix holds no trained token, nor the last untrained one before it)."""
+    if minimum <= 0 or not chosen:
+        return 0
+    limit = min(min(len(ids), mask.index(1) if 1 in mask else len(ids)) - 1 for ids, mask in chosen)
+    if limit < minimum:
+        return 0
+    first = torch.tensor(chosen[0][0][:limit])
+    n = limit
+    for ids, _ in chosen[1:]:
+        differ = torch.nonzero(torch.tensor(ids[:n]) != first[:n])
+        if differ.numel():
+            n = int(differ[0, 0].item())
+            if n < minimum:
+                return 0
+    return n
+
+
+def _batch_loss(
+    model: PreTrainedModel,
+    chosen: Sequence[tuple[list[int], list[int]]],
+    pad: int,
+    device: torch.device,
+    prefix: int = 0,
+) -> tuple[torch.Tensor, int]:
+    """The mean loss over the trained tokens of ``chosen`` (right-padded rows) and the tokens it ran.
+
+    ``prefix > 0`` (``_shared_prefix``): the rows' common first ``prefix`` tokens run once (one row) under
+    ``torch.no_grad()`` with the cache on; the cache, repeated for every row (``batch_repeat_interleave``, as the
+    learner's shared prefix), is the past of the rows' own right-padded tokens, which run with gradients, their
+    positions continuing after the prefix. The loss equals the whole rows' (the prefix holds no prediction of a
+    trained token); the gradient is the whole rows' with the prefix's keys/values held constant."""
+    rows = len(chosen)
+    width = max(len(ids) for ids, _ in chosen) - prefix
+    ids_t = torch.full((rows, width), pad, dtype=torch.long)
+    attn = torch.zeros(rows, prefix + width, dtype=torch.long)
+    attn[:, :prefix] = 1
+    labels = torch.full_like(ids_t, -100)
+    for i, (ids, mask) in enumerate(chosen):
+        own, own_mask = torch.tensor(ids[prefix:]), torch.tensor(mask[prefix:])
+        ids_t[i, : len(own)] = own
+        attn[i, prefix : prefix + len(own)] = 1
+        labels[i, : len(own)] = torch.where(own_mask == 1, own, -100)
+    if prefix == 0:
+        out = model(input_ids=ids_t.to(device), attention_mask=attn.to(device), labels=labels.to(device))
+        return out.loss, int(ids_t.numel())
+    with torch.no_grad():
+        head = model(input_ids=torch.tensor([chosen[0][0][:prefix]], device=device), use_cache=True, logits_to_keep=1)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(rows)
+    # explicit positions: the rows' own tokens continue after the prefix whatever a model infers from its inputs
+    positions = torch.arange(prefix, prefix + width, device=device).unsqueeze(0).expand(rows, -1)
+    out = model(
+        input_ids=ids_t.to(device),
+        attention_mask=attn.to(device),
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=False,
+        labels=labels.to(device),
+    )
+    return out.loss, prefix + int(ids_t.numel())

@@ -14,7 +14,8 @@ corrected by ``w_t`` and bounded by the daemon's ``max_staleness``. Log-probs us
 embedded engine records them. An optional KL to a frozen reference (k3 estimator) and the entropy metric come from
 the same forward pass. Micro-batches are cut by a token budget (gradient accumulation within one update); the rows
 of a micro-batch that start alike (a group's prompt) go through the model as that prefix once plus each row's own
-tokens (``share_prefix``: the same log-probs and gradients, 2-3x fewer tokens on the calc example's batches);
+tokens (``share_prefix``: the same log-probs and gradients, 2-3x fewer tokens on the calc example's batches; with
+``prefix_grad`` False the prefix is constant context, run without autograd, for prompts too long to backpropagate);
 gradients are clipped by norm; AdamW with linear warmup (one scheduler step per learner step).
 """
 
@@ -26,7 +27,6 @@ import logging
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.precision import autocast, cpu_has_bf16, wants_bf16
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.losses import LossSettings, get_policy_loss, policy_loss_names
@@ -112,6 +113,16 @@ class LearnerConfig(BaseModel):
         description="rows that start with the same N or more tokens (a group's shared prompt) are computed with that "
         "prefix once per micro-batch (its keys/values reused by every row; the same log-probs and gradients); 0: off",
     )
+    prefix_grad: bool = Field(
+        True,
+        description="with share_prefix: the gradient also flows through the shared prefix's keys/values (the exact "
+        "gradient). False runs the prefix, up to the first trained token's prediction, under no_grad as constant "
+        "context: the same log-probs, every trained token's gradient through the rows' own positions, and none of "
+        "the prefix's activations kept for the backward pass. For long shared prompts (a coding CLI's 4-9k-token "
+        "system prompt and tools) where the prefix's activations are most of the step's memory and time; the "
+        "prompt's own representation is then never trained (with LoRA, the gradient through how the adapter changes "
+        "the prompt's keys/values is dropped)",
+    )
 
     lora: LoraSettings | None = Field(
         None, description="train a LoRA adapter (PEFT) over the frozen base model; None: every weight"
@@ -166,6 +177,7 @@ def token_logprobs(
     *,
     prefix: int = 0,
     keep_from: int = 0,
+    prefix_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each token given its prefix, and the entropy of each predictive distribution.
 
@@ -174,11 +186,14 @@ def token_logprobs(
     equals the plain forward pass up to float rounding, gradients included). ``keep_from > 0`` says that no column
     before it is wanted (the first trained token is ``input_ids[:, keep_from + 1]``): the output head and the
     softmax run only from there (``logits_to_keep``) and the columns before it are 0, which on a long prompt with a
-    large vocabulary saves most of the step's memory and time.
+    large vocabulary saves most of the step's memory and time. ``prefix_grad=False`` runs the shared prefix, up to
+    ``keep_from`` at most, under ``torch.no_grad()``: the values are the same and every returned column carries its
+    gradient, but the keys/values of those shared positions are constants, so the gradient does not flow into them
+    (nor does the prefix keep its activations for the backward pass). With ``keep_from`` 0 it is the exact path.
     """
     width = input_ids.shape[1]
     keep_from = min(max(keep_from, 0), width - 1)
-    logits = _logits(model, input_ids, attention_mask, prefix, keep_from)[:, :-1, :].float()
+    logits = _logits(model, input_ids, attention_mask, prefix, keep_from, prefix_grad)[:, :-1, :].float()
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -199,17 +214,28 @@ def first_trained(loss_mask: torch.Tensor) -> int:
 
 
 def _logits(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, keep_from: int = 0
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prefix: int,
+    keep_from: int = 0,
+    prefix_grad: bool = True,
 ) -> torch.Tensor:
-    """Logits of the positions ``keep_from`` .. T-1 (``logits_to_keep``: never 0, which would mean all)."""
+    """Logits of the positions ``keep_from`` .. T-1 (``logits_to_keep``: never 0, which would mean all); with
+    ``prefix_grad`` False the shared head runs without autograd (its keys/values are constants), cut at
+    ``keep_from``: a wanted column's logits always come from the pass with gradients (in RL the first sampled
+    token is predicted at the prompt's last position, inside the shared head)."""
     rows, width = input_ids.shape
+    if not prefix_grad:
+        prefix = min(prefix, keep_from)
     if prefix <= 0 or rows < 2 or prefix >= width:
         out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=width - keep_from)
         return out.logits  # type: ignore[no-any-return]
     # the shared head's logits are wanted only where it holds kept positions; else one position, dropped
-    head = model(input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=max(prefix - keep_from, 1))
+    with contextlib.nullcontext() if prefix_grad else torch.no_grad():
+        head = model(input_ids=input_ids[:1, :prefix], use_cache=True, logits_to_keep=max(prefix - keep_from, 1))
     cache = head.past_key_values
-    cache.batch_repeat_interleave(rows)  # new tensors in the graph: the gradient flows back to the shared head
+    cache.batch_repeat_interleave(rows)  # new tensors in the graph: with prefix_grad, the gradient reaches the head
     tail = model(
         input_ids=input_ids[:, prefix:],
         attention_mask=attention_mask,
@@ -220,17 +246,6 @@ def _logits(
     if keep_from >= prefix:
         return tail.logits  # type: ignore[no-any-return]
     return torch.cat([head.logits.expand(rows, -1, -1), tail.logits], dim=1)
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this machine's CPU computes bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
-    flags, and torch's oneDNN built with bf16): where ``precision = "auto"`` picks bf16."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    words = set(flags.split())
-    return bool(words & {"avx512_bf16", "amx_bf16"}) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Learner(LearnerLike):
@@ -259,14 +274,11 @@ class Learner(LearnerLike):
             self.config.clip_ratio_low, self.config.clip_ratio_high, self.config.clip_ratio_c
         )
         self.steps = 0
-        precision = self.config.precision
-        self.bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cpu" and cpu_has_bf16())
+        self.bf16 = wants_bf16(self.config.precision, self.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward passes' autocast (bf16 when ``precision`` says so; else nothing)."""
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return autocast(self.bf16, self.device)
 
     def reset_optimizer(self) -> None:
         """Fresh AdamW moments and warmup (after the warm start changed the weights outside this learner)."""
@@ -375,7 +387,7 @@ class Learner(LearnerLike):
             with self._autocast():
                 logp, _ = token_logprobs(
                     self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix,
-                    keep_from=keep,
+                    keep_from=keep, prefix_grad=self.config.prefix_grad,
                 )  # fmt: skip
             out[rows, : width - 1] = logp.float().cpu()
         return out
@@ -408,7 +420,9 @@ class Learner(LearnerLike):
             adv = batch.advantages[rows][:, 1:width].to(self.device).float()
             start = first_trained(batch.loss_mask[rows][:, :width])
             with self._autocast():
-                logp, entropy = token_logprobs(self.model, ids, attn, cfg.temperature, prefix=prefix, keep_from=start)
+                logp, entropy = token_logprobs(
+                    self.model, ids, attn, cfg.temperature, prefix=prefix, keep_from=start, prefix_grad=cfg.prefix_grad
+                )
             old = logp.detach() if old_all is None else old_all[rows][:, : width - 1].to(self.device)
             if keep is not None:
                 keep[rows, : width - 1] = logp.detach().float().cpu()
@@ -418,8 +432,9 @@ class Learner(LearnerLike):
             if self.reference is not None:
                 with torch.no_grad(), self._autocast():
                     ref_lp, _ = token_logprobs(
-                        self.reference, ids, attn, cfg.temperature, prefix=prefix, keep_from=start
-                    )
+                        self.reference, ids, attn, cfg.temperature, prefix=prefix, keep_from=start,
+                        prefix_grad=cfg.prefix_grad,
+                    )  # fmt: skip
                 log_r = ref_lp - logp
                 kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, non-negative
                 per_token = per_token + cfg.kl_coef * kl
