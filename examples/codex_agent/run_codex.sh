@@ -14,11 +14,15 @@ file=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["file"])'
 question=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["question"])' "${task_file}")
 scratch=$(mktemp -d)
 trap 'rm -rf "${scratch}"' EXIT
-mkdir -p "${scratch}/work" "${scratch}/home"
+# Codex's home (its config, sessions and system skills, whose path its prompt names) is one directory for every
+# attempt, so the prompts of all attempts share their first ~5.6k tokens up to the scratch directory's own name (the
+# engine's prefix cache and the learner's shared prefix then compute that head once); each session is its own file.
+home=${LSDK_CODEX_HOME:-${TMPDIR:-/tmp}/lightning_sdk_codex_home}
+mkdir -p "${scratch}/work" "${home}"
 provider="model_providers.lsdk={name=\"lsdk\",base_url=\"${OPENAI_BASE_URL}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\",stream_idle_timeout_ms=1800000}"
 (
     cd "${scratch}/work" &&
-    HOME="${scratch}/home" NO_COLOR=1 "${codex}" exec --skip-git-repo-check -c model_provider=lsdk -c "${provider}" \
+    HOME="${home}" NO_COLOR=1 "${codex}" exec --skip-git-repo-check -c model_provider=lsdk -c "${provider}" \
         --disable multi_agent --disable goals --disable view_image --disable image_generation \
         --disable skill_search -s danger-full-access -m "${OPENAI_MODEL:-policy}" "${question}" </dev/null
 )

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import json
+import random
+import string
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,43 +56,90 @@ def score(task: dict[str, Any], stdout: str, exit_code: int) -> float:
     return 1.0 if content.strip() == task["word"] else 0.0
 
 
-ENVIRONMENT = "<environment_context>\n  <cwd>/tmp/work</cwd>\n  <shell>bash</shell>\n</environment_context>"
-EXEC_COMMAND = {
-    "type": "function",
-    "function": {
-        "name": "exec_command",
-        "description": "Runs a command in a PTY, returning output or a session ID for ongoing interaction.",
-        "parameters": {
-            "type": "object",
-            "properties": {"cmd": {"type": "string", "description": "Shell command to execute."}},
-            "required": ["cmd"],
-        },
-    },
-}
+def codex_request(question: str = "{question}") -> dict[str, Any]:
+    """Codex's real first request (a Responses API body) for ``question``: ``codex exec`` by its own entry point
+    (``run_codex.sh``, the same flags as the attempts) against a loopback server that keeps the body and answers 400,
+    so Codex stops after one request. Its instructions, tools and environment turns are Codex's own, word for word."""
+    import http.server
+    import os
+    import subprocess
+    import tempfile
+    import threading
+
+    bodies: list[dict[str, Any]] = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+            bodies.append(json.loads(self.rfile.read(int(self.headers.get("content-length", 0)))))
+            err = json.dumps({"error": {"message": "captured", "type": "invalid_request_error"}}).encode()
+            self.send_response(400)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(err)))
+            self.end_headers()
+            self.wfile.write(err)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            task_file = Path(tmp) / "task.json"
+            task_file.write_text(json.dumps({"question": question, "file": "out.txt"}))
+            env = {**os.environ, "OPENAI_BASE_URL": f"http://127.0.0.1:{server.server_port}/v1", "OPENAI_API_KEY": "x"}
+            script = Path(__file__).with_name("run_codex.sh")
+            subprocess.run(
+                ["bash", str(script), str(task_file)], env=env, capture_output=True, timeout=120, check=False
+            )
+    finally:
+        server.shutdown()
+        server.server_close()
+    if not bodies:
+        raise RuntimeError("Codex sent no request: is `codex` (npm @openai/codex) on PATH?")
+    return bodies[0]
+
+
+#: what Codex's exec_command answers for a command that printed nothing (its own layout, seen in real runs)
+RESULT = "Chunk ID: {chunk}\nWall time: 0.0{ms} seconds\nProcess exited with code 0\nOutput:\n"
 
 
 def demonstrations() -> list[dict[str, Any]]:
-    """One chat per train task (and a second phrasing): the call, its result in Codex's layout, a one-line answer."""
+    """The warm start's chats under Codex's real prompt: its captured first request for each train task (translated
+    to chat form by the proxy's own Responses surface, so the rendered prompt is the one RL calls see, 5.7k tokens),
+    then an ``exec_command`` call that solves the task (``echo WORD > FILE``), Codex's result layout and a one-line answer. The scratch
+    paths Codex names differ per attempt; each chat gets its own, so the policy learns to look past them. With
+    ``warm_start.share_prefix`` the 5k-token head they share (instructions and tools) runs once per step."""
+    from lightning_sdk.proxy.surfaces._chat import PriorReplies
+    from lightning_sdk.proxy.surfaces.responses import ResponsesSurface
+
+    placeholder = "LSDK_QUESTION_PLACEHOLDER"
+    raw = json.dumps(codex_request(placeholder))
+    scratch = raw.split("<cwd>", 1)[1].split("/work</cwd>", 1)[0]  # Codex's scratch directory (run_codex.sh's)
+    surface = ResponsesSurface()
+    rng = random.Random(0)
     chats = []
     for i, word in enumerate(WORDS[:24]):
         for j in range(2):
             task = _task(i + j, word)
-            cmd = f"printf '{word}\\n' > {task['file']}" if j == 0 else f"echo {word} > {task['file']}"
+            fresh = "/tmp/tmp." + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(10))
+            body = json.loads(raw.replace(scratch, fresh).replace(placeholder, task["question"]))
+            chat = surface.translate(body, PriorReplies([]), f"call-demo{i}{j}").chat
+            cmd = f"echo {word} > {task['file']}"
+            call_id = f"call_{rng.getrandbits(48):012x}"
             call = {
-                "id": f"call_{i}_{j}",
+                "id": call_id,
                 "type": "function",
                 "function": {"name": "exec_command", "arguments": json.dumps({"cmd": cmd})},
             }
-            result = "Chunk ID: 1\nWall time: 0.0 seconds\nProcess exited with code 0\nOutput:\n"
+            result = RESULT.format(chunk=rng.randrange(100000, 999999), ms=rng.randrange(10))
             chats.append(
                 {
-                    "tools": [EXEC_COMMAND],
+                    "tools": chat["tools"],
                     "messages": [
-                        {"role": "system", "content": "You are a coding agent running in the Codex CLI."},
-                        {"role": "user", "content": ENVIRONMENT},
-                        {"role": "user", "content": task["question"]},
+                        *chat["messages"],
                         {"role": "assistant", "content": "", "tool_calls": [call]},
-                        {"role": "tool", "tool_call_id": call["id"], "content": result},
+                        {"role": "tool", "tool_call_id": call_id, "content": result},
                         {"role": "assistant", "content": f"Created {task['file']} with the word {word}."},
                     ],
                 }

@@ -68,10 +68,10 @@ class EngineConfig(BaseModel):
     )
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "fp32",
-        description="embedded: the forward passes' compute dtype (bf16: autocast to bfloat16; the sampled log-probs "
-        "then carry bf16 rounding, which the learner's importance ratio sees); auto: bf16 where the CPU has AVX-512 "
-        "BF16 or AMX, else fp32. SmolLM2's 5.7k-token prefill took 19 s in fp32 and 5.6 s in bf16 on a 2-core Xeon "
-        "with AMX",
+        description="embedded: the prefills' compute dtype (bf16: autocast to bfloat16; decode steps stay fp32, and "
+        "the first sampled token's log-prob carries bf16 rounding, which the learner's importance ratio sees); auto: "
+        "bf16 where the CPU has AVX-512 BF16 or AMX, else fp32. SmolLM2's 5.7k-token prefill took 19 s in fp32 and "
+        "5.6 s in bf16 on a 2-core Xeon with AMX",
     )
 
     @model_validator(mode="after")
@@ -159,7 +159,7 @@ def open_engine(
 
     precision = config.precision
     if precision == "auto":
-        from lightning_sdk._cpu import cpu_has_bf16
+        from lightning_sdk.precision import cpu_has_bf16
 
         precision = "bf16" if cpu_has_bf16() else "fp32"
     return EmbeddedEngine(

@@ -357,3 +357,40 @@ async def test_bf16_engine_samples_within_bf16_rounding_of_fp32(policy_dir: Path
         assert 0 < diff < 0.1
     finally:
         await engine.close()
+
+
+async def test_grouped_query_attention_keeps_its_groups_and_its_logprobs(policy_dir: Path) -> None:
+    """A grouped-query model (4 query heads over 2 key/value heads, as SmolLM2's 9 over 3) is served with SDPA's
+    ``enable_gqa`` instead of keys/values repeated per query head: rows of different lengths decode together and each
+    records the log-probs of a plain forward pass of the model as transformers builds it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = load_policy(policy_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    reference = LlamaForCausalLM(config).eval()
+    served = LlamaForCausalLM(LlamaConfig.from_dict(config.to_dict())).eval()  # its own config: the engine sets it
+    served.load_state_dict(reference.state_dict())
+    engine = EmbeddedEngine(served, tokenizer)
+    try:
+        assert served.config._attn_implementation == "lightning_sdk_sdpa_gqa"
+        assert reference.config._attn_implementation == "sdpa"
+        prompts = [_prompt(engine, q) for q in ("Add 1 and 2.", "What is 34 plus 5, please, and why?")]
+        sampling = Sampling(max_tokens=8, temperature=1.0, seed=2, stop_token_ids=[])
+        gens = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+        for prompt, gen in zip(prompts, gens, strict=True):
+            assert len(gen.completion_ids) == 8
+            ref = _reference_logprobs(reference, prompt, gen.completion_ids, 1.0)
+            assert gen.logprobs == pytest.approx(ref, abs=2e-4)
+    finally:
+        await engine.close()
