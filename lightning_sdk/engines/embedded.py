@@ -227,7 +227,7 @@ def _sdpa_gqa(
 
     groups = int(getattr(module, "num_key_value_groups", 1))
     if attention_mask is None or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)  # type: ignore[no-any-return]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
