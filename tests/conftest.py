@@ -1,4 +1,5 @@
-"""Session-wide fixtures shared by several test folders: one real PostgreSQL server per test session."""
+"""Session-wide fixtures shared by several test folders: one real PostgreSQL server per test session, and the pinned
+real coding-agent CLIs from npm (``cli_bin``, for the ``real_cli`` tests of tests/surfaces and tests/examples)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.postgres import PostgresServer
+from tests.support.real_cli import cli_bin  # noqa: F401 (a fixture, found by its name)
 
 _db_numbers = itertools.count()
 

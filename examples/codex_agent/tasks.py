@@ -1,7 +1,8 @@
 """Tiny shell tasks for Codex CLI: write one word into one file. Tasks, the reward and the warm start's chats.
 
 A task asks for ``file`` to contain ``word``; the reward (``score``) reads the file ``run_codex.sh`` printed after
-Codex exited: 1.0 when its content, stripped, is the word, else 0. ``demonstrations()`` are the warm start's chats,
+Codex exited: 1.0 when its content, stripped, is the word and Codex ended by itself, 0.5 when the word is right but
+Codex had to be stopped, else 0. ``demonstrations()`` are the warm start's chats,
 in the layout of Codex's own requests as the proxy receives them (a system turn, an environment turn, the task,
 an ``exec_command`` call, its result, a short answer) but without Codex's 4.6k-token instructions, so a supervised
 step stays short: they teach SmolLM2 the hermes tool-call format, which it never emits on its own. ``python
@@ -49,11 +50,17 @@ def validation_tasks() -> list[dict[str, Any]]:
 
 
 def score(task: dict[str, Any], stdout: str, exit_code: int) -> float:
+    """1.0 when the file ``run_codex.sh`` printed holds the word and Codex ended by itself (exit code 0); 0.5 when the
+    file is right but Codex did not end (it went on calling tools until ``run_codex.sh``'s time limit stopped it, or
+    failed); 0 otherwise."""
     lines = [ln for ln in stdout.splitlines() if ln.startswith("LSDK_FILE ")]
     if not lines or lines[-1] == "LSDK_FILE -":
         return 0.0
     content = base64.b64decode(lines[-1].split(" ", 1)[1]).decode("utf-8", "replace")
-    return 1.0 if content.strip() == task["word"] else 0.0
+    if content.strip() != task["word"]:
+        return 0.0
+    codes = [ln.rsplit(" ", 1)[-1] for ln in stdout.splitlines() if ln.startswith("codex exit code ")]
+    return 1.0 if codes and codes[-1] == "0" else 0.5
 
 
 def codex_request(question: str = "{question}") -> dict[str, Any]:
@@ -69,7 +76,7 @@ def codex_request(question: str = "{question}") -> dict[str, Any]:
     bodies: list[dict[str, Any]] = []
 
     class Capture(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+        def do_POST(self) -> None:
             bodies.append(json.loads(self.rfile.read(int(self.headers.get("content-length", 0)))))
             err = json.dumps({"error": {"message": "captured", "type": "invalid_request_error"}}).encode()
             self.send_response(400)
@@ -100,30 +107,46 @@ def codex_request(question: str = "{question}") -> dict[str, Any]:
     return bodies[0]
 
 
-#: what Codex's exec_command answers for a command that printed nothing (its own layout, seen in real runs)
-RESULT = "Chunk ID: {chunk}\nWall time: 0.0{ms} seconds\nProcess exited with code 0\nOutput:\n"
+#: what Codex 0.169's exec_command answers for a command that printed nothing (its own layout, read from a recorded
+#: call's prompt)
+RESULT = (
+    "Chunk ID: {chunk:06x}\nWall time: 0.0000 seconds\nProcess exited with code 0\nOriginal token count: 0\nOutput:\n"
+)
+
+
+#: the question of the captured request, replaced by each task's own
+QUESTION = "LSDK_QUESTION_PLACEHOLDER"
 
 
 def demonstrations() -> list[dict[str, Any]]:
-    """The warm start's chats under Codex's real prompt: its captured first request for each train task (translated
-    to chat form by the proxy's own Responses surface, so the rendered prompt is the one RL calls see, 5.7k tokens),
-    then an ``exec_command`` call that solves the task (``echo WORD > FILE``), Codex's result layout and a one-line answer. The scratch
-    paths Codex names differ per attempt; each chat gets its own, so the policy learns to look past them. With
-    ``warm_start.share_prefix`` the 5k-token head they share (instructions and tools) runs once per step."""
+    """The warm start's chats under Codex's real prompt (``demonstrations_from`` Codex's captured first request)."""
+    return demonstrations_from(codex_request(QUESTION))
+
+
+def demonstrations_from(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """The warm start's chats under Codex's real prompt: its first request (``request``, asked with ``QUESTION``) for
+    each train task (translated to chat form by the proxy's own Responses surface, so the rendered prompt is the one
+    RL calls see, 5.7k tokens), then an ``exec_command`` call that solves the task (``echo WORD > FILE``), Codex's
+    result layout and a one-line answer. The chats share one scratch directory (an attempt's own differs; what the
+    policy must write does not depend on it), so with ``warm_start.share_prefix`` the 5.7k-token head they share
+    (instructions, tools, environment) runs once per step, and each row's own ~80 tokens (the task, the call, its
+    result, the answer) are what attend to it with gradients: a step of 4 rows took 21 s on 2 cores with a scratch
+    directory per chat (240 tokens of each row's own), mostly the attention's backward over the 5.8k-token context."""
     from lightning_sdk.proxy.surfaces._chat import PriorReplies
     from lightning_sdk.proxy.surfaces.responses import ResponsesSurface
 
-    placeholder = "LSDK_QUESTION_PLACEHOLDER"
-    raw = json.dumps(codex_request(placeholder))
-    scratch = raw.split("<cwd>", 1)[1].split("/work</cwd>", 1)[0]  # Codex's scratch directory (run_codex.sh's)
+    raw = json.dumps(request)
+    if QUESTION not in raw or "<cwd>" not in raw:
+        raise ValueError("the request holds no placeholder question or no <cwd>: not Codex's first request")
+    scratch = raw.split("<cwd>", 1)[1].split("</cwd>", 1)[0].rsplit("/", 1)[0]  # run_codex.sh's mktemp -d
     surface = ResponsesSurface()
     rng = random.Random(0)
     chats = []
+    fresh = "/tmp/tmp." + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(10))
     for i, word in enumerate(WORDS[:24]):
         for j in range(2):
             task = _task(i + j, word)
-            fresh = "/tmp/tmp." + "".join(rng.choice(string.ascii_letters + string.digits) for _ in range(10))
-            body = json.loads(raw.replace(scratch, fresh).replace(placeholder, task["question"]))
+            body = json.loads(raw.replace(scratch, fresh).replace(QUESTION, task["question"]))
             chat = surface.translate(body, PriorReplies([]), f"call-demo{i}{j}").chat
             cmd = f"echo {word} > {task['file']}"
             call_id = f"call_{rng.getrandbits(48):012x}"
@@ -132,7 +155,7 @@ def demonstrations() -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": "exec_command", "arguments": json.dumps({"cmd": cmd})},
             }
-            result = RESULT.format(chunk=rng.randrange(100000, 999999), ms=rng.randrange(10))
+            result = RESULT.format(chunk=rng.getrandbits(24))
             chats.append(
                 {
                     "tools": chat["tools"],
