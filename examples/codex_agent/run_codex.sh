@@ -4,7 +4,7 @@
 # features that add tools a shell task never needs (sub-agents, goals, images, skill search) are turned off with
 # Codex's own --disable flags: with them its first prompt is 8,921 SmolLM2 tokens, past the model's 8,192; without,
 # 5.7k. A long prefill on CPU sends no bytes for minutes: the provider's stream idle timeout is 30 minutes (Codex's
-# default, 5 minutes, drops the call). Codex runs at most $LSDK_CODEX_TIMEOUT seconds (90): a policy that keeps
+# default, 5 minutes, drops the call). Codex runs at most $LSDK_CODEX_TIMEOUT seconds (180): a policy that keeps
 # calling tools is stopped there (exit code 124) and the file is still scored. After Codex exits, the task's file is printed base64-encoded on the last
 # line for tasks.py:score.
 #   run_codex.sh TASK_FILE        ($CODEX: the codex binary, default `codex` on PATH)
@@ -23,7 +23,7 @@ mkdir -p "${scratch}/work" "${home}"
 provider="model_providers.lsdk={name=\"lsdk\",base_url=\"${OPENAI_BASE_URL}\",wire_api=\"responses\",env_key=\"OPENAI_API_KEY\",stream_idle_timeout_ms=1800000}"
 (
     cd "${scratch}/work" &&
-    HOME="${home}" NO_COLOR=1 timeout "${LSDK_CODEX_TIMEOUT:-90}" "${codex}" exec --skip-git-repo-check -c model_provider=lsdk -c "${provider}" \
+    HOME="${home}" NO_COLOR=1 timeout "${LSDK_CODEX_TIMEOUT:-180}" "${codex}" exec --skip-git-repo-check -c model_provider=lsdk -c "${provider}" \
         --disable multi_agent --disable goals --disable view_image --disable image_generation \
         --disable skill_search -s danger-full-access -m "${OPENAI_MODEL:-policy}" "${question}" </dev/null
 )

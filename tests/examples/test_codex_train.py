@@ -57,8 +57,6 @@ def _rollouts(store_path: Path) -> list[Any]:
 
 @pytest.mark.timeout(1800)
 def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
     out = tmp_path / "run"
     env = {
         **os.environ,
@@ -67,9 +65,21 @@ def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Pat
         "LSDK_CODEX_HOME": str(tmp_path / "codex_home"),
     }
     run = train_example(EXAMPLE, out, tmp_path, env)
+    text = check_run(out, tmp_path, env, run.wall_s, run.peak_rss_mb)
+    print(text)
+    reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
+    if reports:
+        Path(reports).mkdir(parents=True, exist_ok=True)
+        (Path(reports) / "codex_train.txt").write_text(text)
+
+
+def check_run(out: Path, tmp_path: Path, env: dict[str, str], wall_s: float, peak_rss_mb: float) -> str:
+    """The assertions on a finished run directory ``out``; returns the run's report."""
+    from transformers import AutoTokenizer
+
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    tokenizer = AutoTokenizer.from_pretrained(str(out / "policy_init"))
+    tokenizer = AutoTokenizer.from_pretrained(str(out / "model"))
 
     rollouts = _rollouts(out / "store.db")
     calls = [c for r in rollouts for a in r.attempts for c in a.calls]
@@ -99,7 +109,7 @@ def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Pat
     report = tmp_path / "report.json"
     rec = subprocess.run(
         [sys.executable, "-m", "lightning_sdk", "records", "--store", str(out / "store.db"), "--out",
-         str(tmp_path / "records.jsonl"), "--tokenizer", str(out / "policy_init"), "--split", "train",
+         str(tmp_path / "records.jsonl"), "--tokenizer", str(out / "model"), "--split", "train",
          "--report", str(report)],
         cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -111,12 +121,7 @@ def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Pat
     assert summary["steps"] == 2 and [m["step"] for m in metrics] == [1, 2]
     assert sum(m["records"] for m in metrics) > 0, f"no group had a reward spread: nothing trained ({metrics})"
 
-    text = _report(summary, metrics, run.wall_s, run.peak_rss_mb, len(calls), loops, len(merged))
-    print(text)
-    reports = os.environ.get("LIGHTNING_SDK_CI_REPORTS")
-    if reports:
-        Path(reports).mkdir(parents=True, exist_ok=True)
-        (Path(reports) / "codex_train.txt").write_text(text)
+    return _report(summary, metrics, wall_s, peak_rss_mb, len(calls), loops, len(merged))
 
 
 def _report(
