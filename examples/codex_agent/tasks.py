@@ -2,12 +2,11 @@
 
 A task asks for ``file`` to contain ``word``; the reward (``score``) reads the file ``run_codex.sh`` printed after
 Codex exited: 1.0 when its content, stripped, is the word and Codex ended by itself, 0.5 when the word is right but
-Codex had to be stopped, else 0. ``demonstrations()`` are the warm start's chats,
-in the layout of Codex's own requests as the proxy receives them (a system turn, an environment turn, the task,
-an ``exec_command`` call, its result, a short answer) but without Codex's 4.6k-token instructions, so a supervised
-step stays short: they teach SmolLM2 the hermes tool-call format, which it never emits on its own. ``python
-tasks.py OUT_DIR`` writes the tasks as JSONL.
-"""
+Codex had to be stopped, else 0. ``demonstrations()`` are the warm start's chats under Codex's own first request
+(captured from ``codex exec`` by ``codex_request``): its instructions, tools and environment turns, the task, an
+``exec_command`` call that solves it, Codex's result and a short answer. They teach SmolLM2 the hermes tool-call
+format, which it never emits on its own, in the context it will meet it in. ``python tasks.py OUT_DIR`` writes the
+tasks as JSONL."""
 
 from __future__ import annotations
 

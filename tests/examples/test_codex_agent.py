@@ -79,9 +79,9 @@ def _codex_like_request() -> dict[str, Any]:
 
 
 def test_the_demonstrations_put_a_solving_call_under_codexs_own_prompt() -> None:
-    """Each train task's chat is Codex's request with the task's question and a scratch directory of its own, then
-    the ``exec_command`` call that solves it: rendered with the hermes template, the tools are in the prompt and
-    only the call and the answer are trained; the prompts share their head up to the scratch directory."""
+    """Each train task's chat is Codex's request with the task's question, then the ``exec_command`` call that solves
+    it: rendered with the hermes template, the tools are in the prompt and only the call and the answer are trained;
+    the chats share one scratch directory (not the capture's), so their prompts agree up to the question."""
     from transformers import AutoTokenizer
 
     from lightning_sdk.policy.smollm2 import prepare_smollm2
@@ -104,7 +104,10 @@ def test_the_demonstrations_put_a_solving_call_under_codexs_own_prompt() -> None
         trained = tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
         assert trained.startswith("<tool_call>\n") and f"echo apple > {task['file']}" in trained
         assert trained.count("<|im_end|>") == 2 and f"Created {task['file']}" in trained
-    assert "/tmp/tmp.AbCdEfGh12" not in texts[0] and texts[0].split("<cwd>")[1][:20] != texts[1].split("<cwd>")[1][:20]
-    assert texts[0].split("<cwd>")[0] == texts[1].split("<cwd>")[0]  # the shared head
+    assert all("/tmp/tmp.AbCdEfGh12" not in text for text in texts)  # the capture's own scratch directory
+    cwd = texts[0].split("<cwd>")[1].split("</cwd>")[0]
+    assert cwd.startswith("/tmp/tmp.") and f"<cwd>{cwd}</cwd>" in texts[1]  # one for every chat: a longer shared head
+    head = texts[0].split(tasks._task(0, "apple")["question"])[0]
+    assert texts[1].startswith(head) and "<tools>" in head  # instructions, tools, environment: shared
     with pytest.raises(ValueError, match="placeholder"):
         tasks.demonstrations_from({**_codex_like_request(), "input": "Create a file."})
