@@ -131,8 +131,7 @@ def demonstrations_from(request: dict[str, Any]) -> list[dict[str, Any]]:
     (instructions, tools, environment) runs once per step, and each row's own ~80 tokens (the task, the call, its
     result, the answer) are what attend to it with gradients: a step of 4 rows took 21 s on 2 cores with a scratch
     directory per chat (240 tokens of each row's own), mostly the attention's backward over the 5.8k-token context."""
-    from lightning_sdk.proxy.surfaces._chat import PriorReplies
-    from lightning_sdk.proxy.surfaces.responses import ResponsesSurface
+    from lightning_sdk.proxy.surfaces import ResponsesSurface
 
     raw = json.dumps(request)
     if QUESTION not in raw or "<cwd>" not in raw:
@@ -146,7 +145,7 @@ def demonstrations_from(request: dict[str, Any]) -> list[dict[str, Any]]:
         for j in range(2):
             task = _task(i + j, word)
             body = json.loads(raw.replace(scratch, fresh).replace(QUESTION, task["question"]))
-            chat = surface.translate(body, PriorReplies([]), f"call-demo{i}{j}").chat
+            chat = surface.first_request_chat(body)
             cmd = f"echo {word} > {task['file']}"
             call_id = f"call_{rng.getrandbits(48):012x}"
             call = {

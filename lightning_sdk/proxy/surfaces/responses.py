@@ -89,6 +89,12 @@ class ResponsesSurface(SurfaceAdapter):
             raise _bad("previous_response_id", "must be a string")
         return body
 
+    def first_request_chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat-completions form of a first request (``body``, a Responses API body that names no earlier reply):
+        the messages and tools the proxy renders for it in token mode. For building training data under a harness's
+        own captured prompt (examples/codex_agent)."""
+        return self.translate(self.parse(body), PriorReplies([]), "call-to-chat").chat
+
     def translate(self, body: dict[str, Any], prior: PriorReplies, call_id: str) -> Translation:
         tools, hidden, names = self._tools(body.get("tools") or [])
         messages: list[Message] = []
