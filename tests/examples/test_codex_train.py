@@ -21,14 +21,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.commands import train_example
+from tests.support.commands import merged_rollouts, train_example
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "codex_agent"
@@ -106,18 +104,7 @@ def check_run(out: Path, tmp_path: Path, env: dict[str, str], wall_s: float, pea
     assert loops >= 1, "no whole tool loop: no exec_command call was run by Codex and answered back"
 
     # the RL records: one segment per episode, and the learner trained some
-    report = tmp_path / "report.json"
-    rec = subprocess.run(
-        [sys.executable, "-m", "lightning_sdk", "records", "--store", str(out / "store.db"), "--out",
-         str(tmp_path / "records.jsonl"), "--tokenizer", str(out / "model"), "--split", "train",
-         "--report", str(report)],
-        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert rec.returncode == 0, rec.stderr[-3000:]
-    data = json.loads(report.read_text())
-    merged = [r for r in data["rollouts"] if r["status"] == "succeeded"]
-    assert merged and data["summary"]["split_reasons"] == {} and data["summary"]["truncated_segments"] == 0
-    assert all(r["segments"] == 1 for r in merged), [r for r in merged if r["segments"] != 1][:3]
+    merged = merged_rollouts(out, out / "model", tmp_path, env)
     assert summary["steps"] == 2 and [m["step"] for m in metrics] == [1, 2]
     assert sum(m["records"] for m in metrics) > 0, f"no group had a reward spread: nothing trained ({metrics})"
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.commands import train_example
+from tests.support.commands import merged_rollouts, train_example
 from tests.support.sandboxes import sandboxed_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,18 +56,7 @@ def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     assert sandboxed_processes(boxes) == set()
 
     # fidelity of the RL records
-    report = tmp_path / "report.json"
-    rec = subprocess.run(
-        [sys.executable, "-m", "lightning_sdk", "records", "--store", str(out / "store.db"), "--out",
-         str(tmp_path / "records.jsonl"), "--tokenizer", str(out / "policy_init"), "--split", "train",
-         "--report", str(report)],
-        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert rec.returncode == 0, rec.stderr[-3000:]
-    data = json.loads(report.read_text())
-    merged = [r for r in data["rollouts"] if r["status"] == "succeeded"]
-    assert merged and data["summary"]["split_reasons"] == {} and data["summary"]["truncated_segments"] == 0
-    assert all(r["segments"] == 1 for r in merged), [r for r in merged if r["segments"] != 1][:3]
+    merged = merged_rollouts(out, out / "policy_init", tmp_path, env)
     # an episode may end after one call (an answer without a tool call, or ``submit`` at once: a policy can learn
     # that), so not every rollout has two; but the merge must have been exercised on nearly all of them
     multi = [r for r in merged if r["calls"] >= 2]

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _WRAPPER = (
     "import json, os, sys\n"
@@ -74,3 +75,22 @@ def train_example(example: Path, out: Path, tmp_path: Path, env: Mapping[str, st
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+def merged_rollouts(run_dir: Path, tokenizer: Path, tmp_path: Path, env: Mapping[str, str]) -> list[dict[str, Any]]:
+    """``lightning-sdk records --report`` over a finished run's train split: asserts every succeeded rollout merged into
+    one segment (no split, nothing truncated) and returns their report rows (``calls``, ``segments``...); the records
+    themselves are in ``tmp_path/records.jsonl``."""
+    root = Path(__file__).resolve().parents[2]
+    report = tmp_path / "report.json"
+    rec = subprocess.run(
+        [sys.executable, "-m", "lightning_sdk", "records", "--store", str(run_dir / "store.db"), "--out",
+         str(tmp_path / "records.jsonl"), "--tokenizer", str(tokenizer), "--split", "train", "--report", str(report)],
+        cwd=str(root), env=dict(env), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    data = json.loads(report.read_text())
+    merged = [r for r in data["rollouts"] if r["status"] == "succeeded"]
+    assert merged and data["summary"]["split_reasons"] == {} and data["summary"]["truncated_segments"] == 0
+    assert all(r["segments"] == 1 for r in merged), [r for r in merged if r["segments"] != 1][:3]
+    return merged
