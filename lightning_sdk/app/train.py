@@ -83,7 +83,12 @@ async def run_training(
             view.set_phase("RL")
             job.mark("rl_start_s")
             target = (
-                GainTarget(state["eval_before"]["success_rate"], rl.target_gain, margin=rl.target_margin)
+                GainTarget(
+                    state["eval_before"]["success_rate"],
+                    rl.target_gain,
+                    margin=rl.target_margin,
+                    min_steps=rl.check_min_steps,
+                )
                 if rl.target_gain is not None and heldout and "eval_before" in state
                 else None
             )

@@ -5,12 +5,11 @@ Each command lives in its own ``*_cmd`` module and registers itself on the share
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import sys
 
 from lightning_sdk.cli._app import app
+from lightning_sdk.memory import limit_malloc
 
 __all__ = ["OPENMP_MARK", "app", "main", "passive_openmp"]
 
@@ -26,30 +25,6 @@ def _register() -> None:
         train_cmd,
         view_cmd,
     )
-
-
-def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas unless the user set ``MALLOC_ARENA_MAX`` (and fix its mmap threshold, see below).
-
-    The trainer frees and reallocates differently shaped tensors from many threads (engine batches, learner
-    micro-batches, workers); with glibc's default of 8 arenas per core the freed memory stays spread over arenas and
-    the resident size of ``lightning-sdk train`` on the calc example grew to 6 GB after 12 RL steps. Two arenas
-    measured 3 GB at the same speed. Must run before threads start (arenas are created lazily)."""
-    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl, ...): nothing to tune
-        return
-    m_arena_max = -8  # from glibc's malloc.h
-    libc.mallopt(m_arena_max, arenas)
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # A fixed mmap threshold: glibc otherwise raises it (up to 32 MB) each time a large block is freed, after
-        # which the learner's and the engine's tensors come from the heap and their freed pages stay resident. With
-        # 1 MiB fixed, every tensor of 1 MiB or more is mapped and unmapped: the main job peaked at 1.1 GB instead
-        # of 2.1 GB (a short run, same wall time).
-        m_mmap_threshold = -3
-        libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 OPENMP_MARK = "LIGHTNING_SDK_SET_OMP_WAIT_POLICY"
@@ -76,7 +51,7 @@ def passive_openmp() -> None:
 
 def main() -> None:
     """Entry point of the ``lightning-sdk`` console script."""
-    _limit_malloc_arenas()
+    limit_malloc()  # lightning_sdk/memory.py: arenas and the mmap threshold (moved once the policy is loaded)
     passive_openmp()
     logging.basicConfig(
         level=os.environ.get("LIGHTNING_SDK_LOG_LEVEL", "WARNING").upper(),

@@ -106,11 +106,17 @@ class ThreadChoice:
     steps, nothing wasted) and the count with the lower time per token is kept until the next measurement. The first
     step (allocations, caches) is never a measurement. ``fixed`` turns the measuring off. RL's counterpart, which
     splits the cores between the learner and the engine once from its first steps, is
-    ``lightning_sdk.trainer.balance.ThreadBalance``."""
+    ``lightning_sdk.trainer.balance.ThreadBalance``.
 
-    def __init__(self, fixed: int | None, every: int, most: int) -> None:
+    A count other than the current one takes over only when it measured at least ``margin`` faster per token: one
+    step each is a noisy measure (rows differ, the machine hiccups), and the cases the choice is for differ 3-4x.
+    Without it one quiet run of the calc example (issue 25, 2026-12-06) measured one thread a little faster at step
+    21, kept it for the 20 steps until the next measurement, and its warm start took 72.8 s instead of ~50 s."""
+
+    def __init__(self, fixed: int | None, every: int, most: int, margin: float = 0.15) -> None:
         self.candidates = [fixed] if fixed is not None else sorted({1, most})
         self.every = every
+        self.margin = margin
         self.chosen = self.candidates[-1]
         self._probe: dict[int, float] = {}
         self.history: list[tuple[int, int]] = []
@@ -133,6 +139,9 @@ class ThreadChoice:
         self._probe[threads] = seconds / max(1, tokens)
         if len(self._probe) == len(self.candidates):
             best = min(self._probe, key=lambda n: self._probe[n])
+            current = self._probe.get(self.chosen)
+            if current is not None and self._probe[best] > (1.0 - self.margin) * current:
+                best = self.chosen  # within the margin of the current count: keep it
             if not self.history or best != self.history[-1][1]:
                 self.history.append((step + 1, best))
                 logger.info(

@@ -108,6 +108,11 @@ class RLConfig(_Section):
         "held-out when fresh-task sampled success reaches before + gain + target_margin; trainer/stopping.py)",
     )
     target_margin: float = Field(0.0, description="see target_gain")
+    check_min_steps: int = Field(
+        5,
+        ge=1,
+        description="with target_gain: RL steps between two held-out checks, at least (the first: after RL began)",
+    )
     replay_share: float = Field(
         0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
     )

@@ -147,7 +147,8 @@ def test_demonstration_rows_match_the_single_row_when_nothing_merges(policy_dir:
 
 
 def test_thread_choice_measures_each_count_and_keeps_the_faster() -> None:
-    """Every ``every`` steps one step runs on each count (never the first step); the lower time per token wins."""
+    """Every ``every`` steps one step runs on each count (never the first step); the lower time per token wins,
+    by at least the margin (15%) against the current count."""
     choice = ThreadChoice(None, every=5, most=2)
     assert choice.candidates == [1, 2] and choice.threads_for(0) == 2  # the first step: allocations, not measured
     assert [choice.threads_for(s) for s in range(1, 12)] == [1, 2, 2, 2, 2, 1, 2, 2, 2, 2, 1]
@@ -163,6 +164,12 @@ def test_thread_choice_measures_each_count_and_keeps_the_faster() -> None:
     choice.observe(11, 1, 1.0, 1000)
     choice.observe(12, 2, 0.6, 1000)  # still two: the history records only moves
     assert choice.history == [(3, 1), (8, 2)]
+    choice.observe(16, 1, 0.9, 1000)  # one thread 10% faster: within the margin, two threads stay
+    choice.observe(17, 2, 1.0, 1000)
+    assert choice.chosen == 2 and choice.history == [(3, 1), (8, 2)]
+    choice.observe(21, 1, 0.8, 1000)  # 20% faster: one thread takes over
+    choice.observe(22, 2, 1.0, 1000)
+    assert choice.chosen == 1 and choice.history == [(3, 1), (8, 2), (23, 1)]
     fixed = ThreadChoice(1, every=5, most=2)
     assert fixed.candidates == [1] and {fixed.threads_for(s) for s in range(12)} == {1}
 

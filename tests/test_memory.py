@@ -1,0 +1,83 @@
+"""lightning_sdk/memory.py: the arena cap and glibc's mmap threshold that ``lightning-sdk`` fixes at start.
+
+Each case runs in a fresh interpreter (the setting is process-wide) and reads glibc's own count of mapped blocks
+(``mallinfo2().hblks``) around a real ``malloc``: a 2 MiB block is mapped under the 1 MiB threshold, comes from
+the heap under a user's 4 MiB, and a 64 KiB block is never mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lightning_sdk.memory import MMAP_THRESHOLD
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+
+PROBE = textwrap.dedent(
+    """
+    import ctypes, json, sys
+    from lightning_sdk import memory
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mapped_by_malloc(nbytes):
+        before = libc.mallinfo2().hblks
+        p = libc.malloc(nbytes)
+        after = libc.mallinfo2().hblks
+        libc.free(p)
+        return after > before
+
+    out = {}
+    memory.limit_malloc()
+    out["start"] = memory.mmap_threshold()
+    out["start_maps_2mib"] = mapped_by_malloc(2 << 20)
+    out["start_maps_64kib"] = mapped_by_malloc(64 << 10)
+    out["set_4mib"] = memory.set_mmap_threshold(4 << 20)
+    out["after_set_maps_2mib"] = mapped_by_malloc(2 << 20)
+    out["after_set"] = memory.mmap_threshold()
+    print(json.dumps(out))
+    """
+)
+
+
+def _probe(**env: str) -> dict[str, object]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True
+    )
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_one_mib_at_start_and_a_later_setting_takes_effect() -> None:
+    out = _probe()
+    assert MMAP_THRESHOLD == 1 << 20
+    assert out["start"] == MMAP_THRESHOLD
+    assert out["start_maps_2mib"] is True  # 2 MiB >= 1 MiB: mapped
+    assert out["start_maps_64kib"] is False
+    assert out["set_4mib"] is True and out["after_set"] == 4 << 20
+    assert out["after_set_maps_2mib"] is False  # from the heap now
+
+
+def test_a_users_threshold_is_left_alone() -> None:
+    out = _probe(MALLOC_MMAP_THRESHOLD_=str(4 << 20))
+    assert out["start"] is None and out["set_4mib"] is False and out["after_set"] is None
+    assert out["start_maps_2mib"] is False  # glibc read 4 MiB from the environment
+
+
+def test_a_users_arena_cap_leaves_the_threshold_alone() -> None:
+    out = _probe(MALLOC_ARENA_MAX="4")
+    assert out["start"] is None
+    assert out["start_maps_2mib"] is True  # glibc's own start threshold: 128 KiB
