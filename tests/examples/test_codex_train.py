@@ -61,6 +61,9 @@ def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Pat
         "PYTHONPATH": str(ROOT),
         "PATH": f"{cli_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "LSDK_CODEX_HOME": str(tmp_path / "codex_home"),
+        # CI's budget: a rollout that loops is cut at 120 s instead of the example's 180 (one held RL step 2 for
+        # 157 s in CI); the run is otherwise the example's own
+        "LSDK_CODEX_TIMEOUT": os.environ.get("LSDK_CODEX_TIMEOUT", "120"),
     }
     run = train_example(EXAMPLE, out, tmp_path, env)
     text = check_run(out, tmp_path, env, run.wall_s, run.peak_rss_mb)
