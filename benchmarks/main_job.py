@@ -27,6 +27,7 @@ Runs the real command in a subprocess (peak RSS from the child's rusage), then r
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -185,6 +186,13 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
             f"({pct(wasted_toks, toks)}); spent per group that taught: {rollouts / max(1, taught):.1f} rollouts, "
             f"{toks / max(1, taught):.0f} tokens"
         )
+    if (run_dir / "store.db").exists():  # what the policy still gets wrong (benchmarks/calc_errors.py)
+        spec = importlib.util.spec_from_file_location("calc_errors", Path(__file__).with_name("calc_errors.py"))
+        assert spec is not None and spec.loader is not None
+        calc_errors = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(calc_errors)
+        print("held-out failures by kind (benchmarks/calc_errors.py):")
+        print(calc_errors.report(run_dir, examples=0, ends_only=True))
 
 
 def idle_breakdown(
