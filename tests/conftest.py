@@ -4,6 +4,8 @@ real coding-agent CLIs from npm (``cli_bin``, for the ``real_cli`` tests of test
 from __future__ import annotations
 
 import itertools
+import os
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +14,28 @@ from tests.support.postgres import PostgresServer
 from tests.support.real_cli import cli_bin  # noqa: F401 (a fixture, found by its name)
 
 _db_numbers = itertools.count()
+
+#: the markers of the long stages: a selection that asks for any of them runs in one process
+LONG_MARKERS = ("slow", "harness", "real_cli", "vllm", "ray_cluster", "browser")
+
+
+def workers_for(markexpr: str, cores: int) -> int:
+    """pytest-xdist workers for ``-n auto`` (pyproject's addopts): one per core, at most two, for the default
+    selection, whose tests mostly wait on subprocesses and servers (serially the 2-core machine's load average stays
+    near 1); none (one process, no distribution) when ``-m`` selects a long stage (``-m slow``, ``-m vllm``...):
+    those runs time themselves, or use every core, and CI runs each stage alone."""
+    for marker in LONG_MARKERS:  # every long marker excluded ("not slow and ..."), none selected
+        if not re.search(rf"\bnot {marker}\b", markexpr) or re.search(rf"(?<!not )\b{marker}\b", markexpr):
+            return 0
+    return max(1, min(2, cores))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if env:
+        return int(env)
+    return workers_for(str(config.option.markexpr or ""), os.cpu_count() or 1)
 
 
 @pytest.fixture(scope="session")

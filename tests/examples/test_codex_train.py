@@ -61,9 +61,6 @@ def test_codex_cli_trains_smollm2_through_the_proxy(cli_bin: Path, tmp_path: Pat
         "PYTHONPATH": str(ROOT),
         "PATH": f"{cli_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "LSDK_CODEX_HOME": str(tmp_path / "codex_home"),
-        # CI's budget: a rollout that loops is cut at 120 s instead of the example's 180 (one held RL step 2 for
-        # 157 s in CI); the run is otherwise the example's own
-        "LSDK_CODEX_TIMEOUT": os.environ.get("LSDK_CODEX_TIMEOUT", "120"),
     }
     run = train_example(EXAMPLE, out, tmp_path, env)
     text = check_run(out, tmp_path, env, run.wall_s, run.peak_rss_mb)
@@ -86,12 +83,17 @@ def check_run(out: Path, tmp_path: Path, env: dict[str, str], wall_s: float, pea
     calls = [c for r in rollouts for a in r.attempts for c in a.calls]
     assert calls, "no call was recorded"
     special = {t for t in tokenizer.all_special_tokens if t}
-    loops = 0
+    loops = cut = 0
     for r in rollouts:
         for a in r.attempts:
             ordered = sorted(a.calls, key=lambda c: c.seq)
             for i, call in enumerate(ordered):
-                assert call.error is None, call.error
+                if call.error is not None:
+                    # only Codex stopped by run_codex.sh's bound ($LSDK_CODEX_TIMEOUT) in the middle of a reply: the
+                    # attempt's last call, recorded with the disconnect (never trained); any other error fails
+                    assert i == len(ordered) - 1 and "disconnected" in call.error, call.error
+                    cut += 1
+                    continue
                 prompt = tokenizer.decode(call.prompt_ids)
                 # the tools reach the prompt, with Codex's own instructions
                 assert "<tools>" in prompt and '"name": "exec_command"' in prompt
@@ -105,13 +107,14 @@ def check_run(out: Path, tmp_path: Path, env: dict[str, str], wall_s: float, pea
                     if "Process exited with code" in later:  # Codex ran the call and sent back its result
                         loops += 1
     assert loops >= 1, "no whole tool loop: no exec_command call was run by Codex and answered back"
+    assert cut < len(calls), "every call was cut"
 
     # the RL records: one segment per episode, and the learner trained some
     merged = merged_rollouts(out, out / "model", tmp_path, env)
     assert summary["steps"] == 2 and [m["step"] for m in metrics] == [1, 2]
     assert sum(m["records"] for m in metrics) > 0, f"no group had a reward spread: nothing trained ({metrics})"
 
-    return _report(summary, metrics, wall_s, peak_rss_mb, len(calls), loops, len(merged))
+    return _report(summary, metrics, wall_s, peak_rss_mb, len(calls), loops, len(merged), cut)
 
 
 def _report(
@@ -122,6 +125,7 @@ def _report(
     calls: int,
     loops: int,
     rollouts: int,
+    cut: int = 0,
 ) -> str:
     t = summary.get("timeline", {})
     ws = summary.get("warm_start", {})
@@ -137,7 +141,8 @@ def _report(
         f"RL ends at {t.get('rl_end_s', 0):.0f} s",
         f"  held-out (n = {summary['eval_after']['n']}): {100 * summary['eval_before']['success_rate']:.0f}% -> "
         f"{100 * summary['eval_after']['success_rate']:.0f}%",
-        f"  {calls} calls recorded, {loops} whole tool loops, {rollouts} RL rollouts each one segment",
+        f"  {calls} calls recorded ({cut} cut mid-reply by Codex's time bound), {loops} whole tool loops, "
+        f"{rollouts} RL rollouts each one segment",
         f"  {steps}",
     ]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,43 @@
+"""The default selection runs on pytest-xdist workers; a long stage's selection runs in one process
+(tests/conftest.py ``workers_for``, behind pyproject's ``-n auto``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import workers_for
+
+DEFAULT = "not slow and not harness and not real_cli and not vllm and not ray_cluster and not browser"
+
+
+@pytest.mark.parametrize(
+    ("markexpr", "cores", "workers"),
+    [
+        (DEFAULT, 2, 2),
+        (DEFAULT, 1, 1),
+        (DEFAULT, 16, 2),
+        ("slow", 2, 0),
+        ("vllm", 2, 0),
+        ("real_cli", 2, 0),
+        ("ray_cluster", 2, 0),
+        ("harness or browser", 2, 0),
+        ("not vllm", 2, 0),  # selects slow, harness... too
+        ("", 2, 0),  # everything
+        (DEFAULT.replace("not slow", "slow"), 2, 0),
+    ],
+)
+def test_workers_for_a_selection(markexpr: str, cores: int, workers: int) -> None:
+    assert workers_for(markexpr, cores) == workers
+
+
+def test_this_session_is_distributed_as_its_selection_says(request: pytest.FixtureRequest) -> None:
+    """Run by the default command, this test is on an xdist worker (``PYTEST_XDIST_WORKER`` set); ``-n 0`` or a
+    long stage's selection runs it in the main process."""
+    numprocesses = request.config.getoption("numprocesses", default=None)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if numprocesses:
+        assert worker is not None and worker.startswith("gw")
+    else:
+        assert worker is None
