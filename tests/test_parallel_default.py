@@ -33,11 +33,11 @@ def test_workers_for_a_selection(markexpr: str, cores: int, workers: int) -> Non
 
 
 def test_this_session_is_distributed_as_its_selection_says(request: pytest.FixtureRequest) -> None:
-    """Run by the default command, this test is on an xdist worker (``PYTEST_XDIST_WORKER`` set); ``-n 0`` or a
-    long stage's selection runs it in the main process."""
-    numprocesses = request.config.getoption("numprocesses", default=None)
+    """On an xdist worker (the default command) the selection is one that distributes; in one process (``-n 0``, or
+    a selection of a long stage) no worker id is set."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if numprocesses:
+    if hasattr(request.config, "workerinput"):  # an xdist worker
         assert worker is not None and worker.startswith("gw")
+        assert workers_for(str(request.config.option.markexpr), os.cpu_count() or 1) > 0
     else:
         assert worker is None
