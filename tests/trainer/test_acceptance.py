@@ -5,7 +5,6 @@ with default settings lifts held-out success by at least 30 points from a warm s
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.commands import train_example
+from tests.support.scripts import load_script
 from tests.trainer.tiny import EXAMPLE, ROOT
 
 
@@ -40,10 +40,7 @@ def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
 
 
 def _write_report(run_dir: Path, reports: Path, wall: float, peak_rss_mb: float, load_start: float) -> None:
-    spec = importlib.util.spec_from_file_location("main_job", ROOT / "benchmarks" / "main_job.py")
-    assert spec is not None and spec.loader is not None
-    main_job = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(main_job)
+    main_job = load_script(ROOT / "benchmarks" / "main_job.py", "main_job")
     measured = {"wall_s": wall, "peak_rss_mb": peak_rss_mb, "load_start": load_start, "load_end": os.getloadavg()[0]}
     reports.mkdir(parents=True, exist_ok=True)
     buffer = io.StringIO()

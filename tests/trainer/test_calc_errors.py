@@ -3,23 +3,19 @@ printed by the slow acceptance run, tests/trainer/test_acceptance.py, through be
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.support.scripts import load_script
 from tests.trainer.tiny import ROOT
 
 
 @pytest.fixture(scope="module")
 def calc_errors() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("calc_errors", ROOT / "benchmarks" / "calc_errors.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmarks" / "calc_errors.py", "calc_errors")
 
 
 TASK = {"question": "Subtract 17 from 64.", "expression": "64-17", "answer": "47"}

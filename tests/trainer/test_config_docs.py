@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,13 @@ from lightning_sdk.policy.warm_start import WarmStartConfig
 from lightning_sdk.trainer.config import TrainConfig, VerlSettings, WarmStartSettings, load_train_config
 from lightning_sdk.trainer.learner import LearnerConfig
 from lightning_sdk.trainer.verl.config import VerlConfig
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script() -> object:
-    spec = importlib.util.spec_from_file_location("config_docs", ROOT / "scripts" / "config_docs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "config_docs.py", "config_docs")
 
 
 def test_docs_configuration_md_is_generated_from_the_models() -> None:

@@ -5,15 +5,14 @@ Built from the calc example's demonstrations, like the default policy, only smal
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy
 from lightning_sdk.policy.tokenizer import build_tokenizer
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calc_agent"
@@ -22,12 +21,7 @@ EXAMPLE = ROOT / "examples" / "calc_agent"
 @lru_cache(maxsize=1)
 def calc_tasks() -> ModuleType:
     """The example's ``tasks`` module (imported by path, as the trainer does)."""
-    spec = importlib.util.spec_from_file_location("calc_tasks_for_tests", EXAMPLE / "tasks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calc_tasks_for_tests"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE / "tasks.py", "calc_tasks_for_tests", register=True)
 
 
 def corpus(n: int = 300) -> list[str]:
