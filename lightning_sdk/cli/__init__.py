@@ -51,7 +51,7 @@ def passive_openmp() -> None:
 
 def main() -> None:
     """Entry point of the ``lightning-sdk`` console script."""
-    limit_malloc()  # lightning_sdk/memory.py: arenas and the mmap threshold (moved once the policy is loaded)
+    limit_malloc()  # lightning_sdk/memory.py: two arenas, a 1 MiB mmap threshold
     passive_openmp()
     logging.basicConfig(
         level=os.environ.get("LIGHTNING_SDK_LOG_LEVEL", "WARNING").upper(),

@@ -125,7 +125,7 @@ def _report(
     calls: int,
     loops: int,
     rollouts: int,
-    cut: int = 0,
+    cut: int,
 ) -> str:
     t = summary.get("timeline", {})
     ws = summary.get("warm_start", {})
