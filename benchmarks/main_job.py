@@ -153,6 +153,12 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
         print(f"  {label:<36} {'n/a' if v is None else f'{v:.1f}'}{share}")
         if key == "wait_s" and v is not None and steps_wall:
             idle_breakdown(rows, checks, v, steps_wall, ev_before, tl)
+        cpu = total("thread_cpu_s")
+        if key == "learner_s" and v and cpu is not None:
+            # the step's own thread's CPU (trainer/learner.py): the rest of its wall time it waited for a core or,
+            # in one process with the engine and the event loop, for Python's interpreter lock
+            share = f"{100 * cpu / v:.0f}%"
+            print(f"    of which the step's thread on a CPU {cpu:.1f} ({share}; else waiting for a core or the lock)")
     print("  concurrently:")
     for key, label in (("engine_busy_s", "generation (engine thread busy)"), ("loop_cpu_s", "proxy/store/agents CPU")):
         v = total(key)

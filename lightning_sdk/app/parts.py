@@ -32,7 +32,7 @@ from lightning_sdk.trainer.config import ClusterConfig, PolicySettings, VerlSett
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
 from lightning_sdk.trainer.parts import LearnerLike, Parts
 
-__all__ = ["LearnerLike", "Parts", "ServedEngine", "ServingEngine", "build_parts"]
+__all__ = ["LearnerLike", "Parts", "ServedEngine", "ServingEngine", "build_parts", "process_learner_parts"]
 
 
 def build_parts(
@@ -85,6 +85,8 @@ def build_parts(
             from lightning_sdk.cluster import ray_learner_parts
 
             parts = ray_learner_parts(cluster, learner, model_dir, model, tokenizer, served)
+        elif learner.process:  # the learner in a child process of its own (trainer/process.py)
+            parts = process_learner_parts(learner, model_dir, model, tokenizer, served, engine)
         else:
             pad = tokenizer.pad_token_id
             trainer = Learner(model, learner, pad_id=int(pad) if pad is not None else 0)
@@ -112,3 +114,34 @@ def build_parts(
         on_error.pop_all()
     parts.renderer = renderer
     return parts
+
+
+def process_learner_parts(
+    learner: LearnerConfig,
+    model_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    served: ServingEngine,
+    engine: EngineConfig,
+) -> Parts:
+    """The parts of a run whose embedded learner runs in a child process (``[learner] process``: ``ProcessLearner``):
+    the engine gets the child's weights as a state dict; the parent keeps its copy of the policy for the warm start
+    (the child gets its weights after it) and the save."""
+    from lightning_sdk.trainer.process import ProcessLearner
+
+    if engine.kind != "embedded" or isinstance(served, ServedEngine):
+        raise ConfigError("learner.process needs the embedded engine ([engine] kind = 'embedded')")
+    if learner.lora is not None:
+        raise ConfigError("learner.process with learner.lora: not supported yet (the learner trains in this process)")
+    pad = tokenizer.pad_token_id
+    child = ProcessLearner(model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
+    return Parts(
+        engine=served,
+        learner=child,
+        weights=child.weights,
+        save_model=lambda out: child.save(out, tokenizer),
+        model=model,
+        closers=[child.close],
+        # the warm start trains ``model`` here: its evaluations serve these weights, the child gets them at its end
+        warm_start_weights=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+    )

@@ -39,8 +39,10 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
         nonlocal rounds
         rounds += 1
         # what RL publishes too (loop.weights: the merged state with LoRA, a checkpoint for a server): the model's
-        # own state_dict holds PEFT's names under LoRA, which the engine's plain copy does not have
-        state = loop.weights()
+        # own state_dict holds PEFT's names under LoRA, which the engine's plain copy does not have. A learner kept
+        # elsewhere (a child process, a Ray actor) has not seen the warm start yet: its parts name the model's own
+        # weights (Parts.warm_start_weights)
+        state = (job.parts.warm_start_weights or loop.weights)()
 
         async def go() -> float:
             await loop.engine.update_weights(state, loop.version)

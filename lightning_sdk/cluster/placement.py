@@ -724,4 +724,6 @@ def ray_learner_parts(
         save_model=lambda out: actor.save(out, tokenizer),
         model=model,
         closers=[actor.close],
+        # the warm start trains ``model`` here: its evaluations serve these weights, the actor gets them at its end
+        warm_start_weights=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
     )

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_sdk.engines.embedded import EmbeddedEngine
     from lightning_sdk.trainer.learner import Learner
+    from lightning_sdk.trainer.process import ProcessLearner
 
 __all__ = ["BalancedThreads", "Split", "ThreadBalance", "default_splits"]
 
@@ -199,7 +200,9 @@ class BalancedThreads:
     its step sets in the thread it runs in) and the embedded engine's (``set_threads``, from its next forward pass)
     are the split to try or the one chosen; ``after_step`` hands it the step's measures."""
 
-    def __init__(self, balance: ThreadBalance, learner: Learner, engine: EmbeddedEngine | None) -> None:
+    def __init__(
+        self, balance: ThreadBalance, learner: Learner | ProcessLearner, engine: EmbeddedEngine | None
+    ) -> None:
         self.balance, self.learner, self.engine = balance, learner, engine
         self.apply()
 
@@ -210,8 +213,13 @@ class BalancedThreads:
         and ``[engine] threads`` is unset (``engine_threads_set`` False)."""
         from lightning_sdk.engines.embedded import EmbeddedEngine
         from lightning_sdk.trainer.learner import Learner
+        from lightning_sdk.trainer.process import ProcessLearner
 
-        if not isinstance(learner, Learner) or not learner.config.balance_threads or learner.config.threads is not None:
+        if (
+            not isinstance(learner, Learner | ProcessLearner)
+            or not learner.config.balance_threads
+            or learner.config.threads is not None
+        ):
             return None
         embedded = engine if isinstance(engine, EmbeddedEngine) else None
         return cls(

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -122,6 +123,13 @@ class LearnerConfig(BaseModel):
         "system prompt and tools) where the prefix's activations are most of the step's memory and time; the "
         "prompt's own representation is then never trained (with LoRA, the gradient through how the adapter changes "
         "the prompt's keys/values is dropped)",
+    )
+
+    process: bool = Field(
+        False,
+        description="run the learner in a child process of its own (trainer/process.py): its steps then never wait "
+        "for Python's interpreter lock, which the embedded engine's thread and the event loop (proxy, store, "
+        "in-process agents) hold between their operations; the embedded engine, without lora, only",
     )
 
     lora: LoraSettings | None = Field(
@@ -338,6 +346,7 @@ class Learner(LearnerLike):
             raise TrainerError("the batch has no trained tokens")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)  # per thread in torch: the calling thread's
+        cpu0 = time.thread_time()
         self.model.train()
         # pi_old: the policy at the start of the step. With one update it is the update's own forward pass
         # (detached); with several it is computed once up front, so later updates have a ratio to clip.
@@ -362,6 +371,9 @@ class Learner(LearnerLike):
         out["tokens"] = updates[0]["tokens"] if len(slices) == 1 else sum(u["tokens"] for u in updates[: len(slices)])
         out["updates"] = float(len(updates))
         out["lr"] = float(self.scheduler.get_last_lr()[0])
+        # the calling thread's CPU seconds (torch's other intra-op threads not counted): against the step's wall
+        # time it shows how long the step waited for a core or for the interpreter lock
+        out["thread_cpu_s"] = time.thread_time() - cpu0
         return out
 
     def _pieces(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[list[int], int]]:

@@ -62,6 +62,9 @@ class Parts:
     model: PreTrainedModel | None = None
     closers: list[Callable[[], None]] = field(default_factory=list)
     renderer: ChatRenderer | None = None  # the policy's template, probed (``ChatRenderer.for_policy``)
+    #: what the warm start's evaluations publish (None: ``weights``): the weights of ``model``, where the learner keeps
+    #: its own copy elsewhere (a learner process gets the warm-started weights only at the end, ``reset_optimizer``)
+    warm_start_weights: Callable[[], Any] | None = None
     policies: tuple[str, ...] = ()  # several policies in one run (``[policies]``: app/policies.py); empty: one
 
     async def close(self) -> None:

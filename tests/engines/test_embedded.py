@@ -65,6 +65,57 @@ async def test_logprobs_equal_a_separate_forward_pass(engine: EmbeddedEngine, po
             assert gen.logprobs == pytest.approx(ref, abs=2e-4)
 
 
+async def test_long_completions_past_the_caches_room_keep_their_logprobs(
+    engine: EmbeddedEngine, policy_dir: Path
+) -> None:
+    """Rows that decode past the running cache's room (``_RoomLayer.ROOM`` tokens: the buffers grow) and rows that
+    join a running batch (``_room_cache`` stacks the parts) still record a plain forward pass's log-probs."""
+    from lightning_sdk.engines.embedded import _RoomLayer
+
+    model, _ = load_policy(policy_dir)
+    long = Sampling(max_tokens=3 * _RoomLayer.ROOM, temperature=1.0, seed=5)
+    steps = engine.stats["steps"]
+    first = asyncio.ensure_future(engine.generate(_prompt(engine, "What is 12 plus 30?"), long))
+    # the next ones join the running batch: once it has decoded a few tokens
+    await until_async(lambda: engine.stats["steps"] >= steps + 3, what="the first row decoding")
+    later = [_prompt(engine, q) for q in ("Add 3 and 4.", "What is the product of 6 and 7 and then some more?")]
+    gens = await asyncio.gather(first, *(engine.generate(p, long) for p in later))
+    assert max(len(g.completion_ids) for g in gens) > 2 * _RoomLayer.ROOM  # past the first room and a growth
+    for prompt, gen in zip([_prompt(engine, "What is 12 plus 30?"), *later], gens, strict=True):
+        ref = _reference_logprobs(model, prompt, gen.completion_ids, 1.0)
+        assert gen.logprobs == pytest.approx(ref, abs=2e-4)
+
+
+def test_room_cache_stacks_left_padded_parts_and_grows_in_place() -> None:
+    from lightning_sdk.engines.embedded import _room_cache, _RoomLayer
+
+    g = torch.Generator().manual_seed(0)
+    a = [(torch.randn(2, 3, 5, 4, generator=g), torch.randn(2, 3, 5, 4, generator=g)) for _ in range(2)]
+    b = [(torch.randn(1, 3, 7, 4, generator=g), torch.randn(1, 3, 7, 4, generator=g)) for _ in range(2)]
+    cache = _room_cache(a, b)
+    for layer, (ka, va), (kb, vb) in zip(cache.layers, a, b, strict=True):
+        assert isinstance(layer, _RoomLayer)
+        assert layer.keys.shape == (3, 3, 7, 4)
+        assert torch.equal(layer.keys[:2, :, :2], torch.zeros(2, 3, 2, 4))  # left padding is zeros, not garbage
+        assert torch.equal(layer.keys[:2, :, 2:], ka) and torch.equal(layer.values[:2, :, 2:], va)
+        assert torch.equal(layer.keys[2:], kb) and torch.equal(layer.values[2:], vb)
+    layer = cache.layers[0]
+    expected_k, expected_v = layer.keys.clone(), layer.values.clone()
+    buffers = set()
+    for _ in range(3 * _RoomLayer.ROOM):  # decode steps: one token each
+        k, v = torch.randn(3, 3, 1, 4, generator=g), torch.randn(3, 3, 1, 4, generator=g)
+        got_k, got_v = cache.update(k, v, 0)
+        expected_k, expected_v = torch.cat([expected_k, k], dim=2), torch.cat([expected_v, v], dim=2)
+        assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
+        buffers.add(layer.keys.untyped_storage().data_ptr())
+    assert cache.get_seq_length(0) == 7 + 3 * _RoomLayer.ROOM
+    assert len(buffers) <= 3  # grown a few times, not copied every step
+    layer.batch_select_indices(torch.tensor([0, 2]))  # transformers' own edit: the next token still lands after it
+    k, v = torch.randn(2, 3, 1, 4, generator=g), torch.randn(2, 3, 1, 4, generator=g)
+    got_k, _ = layer.update(k, v)
+    assert torch.equal(got_k, torch.cat([expected_k[[0, 2]], k], dim=2))
+
+
 async def test_concurrent_requests_share_batches(engine: EmbeddedEngine) -> None:
     prompt = _prompt(engine, "What is 3 times 4?")
     sampling = Sampling(max_tokens=8, temperature=1.0)
