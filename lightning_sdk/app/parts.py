@@ -30,7 +30,7 @@ from lightning_sdk.errors import ConfigError
 from lightning_sdk.policy.prepare import PolicyConfig
 from lightning_sdk.trainer.config import ClusterConfig, PolicySettings, VerlSettings
 from lightning_sdk.trainer.learner import Learner, LearnerConfig
-from lightning_sdk.trainer.parts import LearnerLike, Parts
+from lightning_sdk.trainer.parts import LearnerLike, Parts, learner_elsewhere_parts
 
 __all__ = ["LearnerLike", "Parts", "ServedEngine", "ServingEngine", "build_parts", "process_learner_parts"]
 
@@ -135,13 +135,4 @@ def process_learner_parts(
         raise ConfigError("learner.process with learner.lora: not supported yet (the learner trains in this process)")
     pad = tokenizer.pad_token_id
     child = ProcessLearner(model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
-    return Parts(
-        engine=served,
-        learner=child,
-        weights=child.weights,
-        save_model=lambda out: child.save(out, tokenizer),
-        model=model,
-        closers=[child.close],
-        # the warm start trains ``model`` here: its evaluations serve these weights, the child gets them at its end
-        warm_start_weights=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-    )
+    return learner_elsewhere_parts(child, served, model, tokenizer)

@@ -46,7 +46,7 @@ from lightning_sdk.errors import ConfigError, EngineError, TrainerError
 from lightning_sdk.records.record import Record
 from lightning_sdk.trainer.config import ClusterConfig
 from lightning_sdk.trainer.learner import LearnerConfig
-from lightning_sdk.trainer.parts import LearnerLike, Parts
+from lightning_sdk.trainer.parts import LearnerLike, Parts, learner_elsewhere_parts
 
 __all__ = ["ClusterRun", "RayEngine", "RayLearner", "connect", "ray_learner_parts"]
 
@@ -717,13 +717,4 @@ def ray_learner_parts(
     its weights after it) and the save."""
     pad = tokenizer.pad_token_id
     actor = RayLearner.launch(cluster, model_dir, learner, model, pad_id=int(pad) if pad is not None else 0)
-    return Parts(
-        engine=served,
-        learner=actor,
-        weights=actor.weights,
-        save_model=lambda out: actor.save(out, tokenizer),
-        model=model,
-        closers=[actor.close],
-        # the warm start trains ``model`` here: its evaluations serve these weights, the actor gets them at its end
-        warm_start_weights=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
-    )
+    return learner_elsewhere_parts(actor, served, model, tokenizer)

@@ -19,7 +19,7 @@ from lightning_sdk.records.record import Record
 if TYPE_CHECKING:
     from lightning_sdk.tokens import ChatRenderer
 
-__all__ = ["LearnerLike", "Parts"]
+__all__ = ["LearnerLike", "Parts", "learner_elsewhere_parts"]
 
 
 class LearnerLike(Protocol):
@@ -72,3 +72,19 @@ class Parts:
         await self.engine.close()
         for close in self.closers:
             close()
+
+
+def learner_elsewhere_parts(learner: Any, engine: ServingEngine, model: PreTrainedModel, tokenizer: Any) -> Parts:
+    """The parts of a run whose learner keeps its weights outside this process (a child process: ``[learner]
+    process``; a Ray actor: ``[cluster] learner``). ``learner`` offers ``weights()``, ``save(out, tokenizer)`` and
+    ``close()``; ``model`` is this process's copy of the policy: the warm start trains it, and its evaluations serve
+    its weights (the learner gets them at the warm start's end, ``reset_optimizer``)."""
+    return Parts(
+        engine=engine,
+        learner=learner,
+        weights=learner.weights,
+        save_model=lambda out: learner.save(out, tokenizer),
+        model=model,
+        closers=[learner.close],
+        warm_start_weights=lambda: {k: v.detach().clone() for k, v in model.state_dict().items()},
+    )
