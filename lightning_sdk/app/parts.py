@@ -129,7 +129,7 @@ def process_learner_parts(
     (the child gets its weights after it) and the save."""
     from lightning_sdk.trainer.process import ProcessLearner
 
-    if engine.kind != "embedded" or isinstance(served, ServedEngine):
+    if engine.kind != "embedded":
         raise ConfigError("learner.process needs the embedded engine ([engine] kind = 'embedded')")
     if learner.lora is not None:
         raise ConfigError("learner.process with learner.lora: not supported yet (the learner trains in this process)")

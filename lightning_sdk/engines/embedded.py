@@ -861,17 +861,21 @@ class _RoomLayer(DynamicLayer):  # type: ignore[no-untyped-call]
 
     ROOM = 32
 
+    @classmethod
+    def room_for(cls, tokens: int) -> int:
+        """The buffer's length for ``tokens`` cached tokens: a quarter more, at least ``ROOM`` more."""
+        return tokens + max(cls.ROOM, tokens // 4)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._k: torch.Tensor | None = None
+        self._k: torch.Tensor | None = None  # the buffers; ``keys``/``values`` are views of their cached front
         self._v: torch.Tensor | None = None
-        self._n = 0
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, used: int) -> None:
         """Take ``keys``/``values`` ([rows, heads, room, dim]) as the buffers, their first ``used`` tokens cached."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
-        self._k, self._v, self._n = keys, values, used
+        self._k, self._v = keys, values
         self.keys, self.values = keys[..., :used, :], values[..., :used, :]
 
     def update(
@@ -879,17 +883,19 @@ class _RoomLayer(DynamicLayer):  # type: ignore[no-untyped-call]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self._n + key_states.shape[-2]
         k, v = self._k, self._v
+        n = 0 if k is None else self.get_seq_length()  # the cached front of the buffers
+        end = n + key_states.shape[-2]
         if k is None or v is None or end > k.shape[-2]:
-            room = end + max(self.ROOM, end // 4)
-            k = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
-            v = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
-            if self._n and self._k is not None and self._v is not None:
-                k[..., : self._n, :] = self._k[..., : self._n, :]
-                v[..., : self._n, :] = self._v[..., : self._n, :]
-        k[..., self._n : end, :] = key_states
-        v[..., self._n : end, :] = value_states
+            room = self.room_for(end)
+            grown_k = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
+            grown_v = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
+            if k is not None and v is not None and n:
+                grown_k[..., :n, :] = k[..., :n, :]
+                grown_v[..., :n, :] = v[..., :n, :]
+            k, v = grown_k, grown_v
+        k[..., n:end, :] = key_states
+        v[..., n:end, :] = value_states
         self.adopt(k, v, end)
         return k[..., :end, :], v[..., :end, :]
 
@@ -921,7 +927,7 @@ def _room_cache(*parts: _KV, width: int | None = None) -> DynamicCache:
         w = width if width is not None else max(k.shape[2] for k, _ in per_layer)
         k0, v0 = per_layer[0]
         rows = sum(k.shape[0] for k, _ in per_layer)
-        room = w + max(_RoomLayer.ROOM, w // 4)
+        room = _RoomLayer.room_for(w)
         keys = k0.new_empty((rows, k0.shape[1], room, k0.shape[3]))
         values = v0.new_empty((rows, v0.shape[1], room, v0.shape[3]))
         r = 0
