@@ -1,6 +1,6 @@
 """The main job, timed: ``lightning-sdk train examples/calc_agent``, its time to +30 points and where the time went.
 
-    python benchmarks/main_job.py [--output DIR] [--set rl.replay_share=0 ...]   # runs the command
+    python benchmarks/main_job.py [--output DIR] [--set rl.replay_share=0 ...] [--example DIR]   # runs the command
     python benchmarks/main_job.py --run-dir DIR                                  # reads a finished run
 
 Runs the real command in a subprocess (peak RSS from the child's rusage), then reads the run's own
@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "calc_agent"
 
 
-def run(out: Path, overrides: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "lightning_sdk", "train", str(EXAMPLE), "--output", str(out)]
+def run(out: Path, overrides: list[str], example: Path = EXAMPLE) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "lightning_sdk", "train", str(example), "--output", str(out)]
     for o in overrides:
         cmd += ["--set", o]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -235,13 +235,14 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, help="report on a finished run instead of running the command")
     ap.add_argument("--output", type=Path, help="run directory (default: a temporary one)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override")
+    ap.add_argument("--example", type=Path, default=EXAMPLE, help="example directory (default: examples/calc_agent)")
     args = ap.parse_args()
     if args.run_dir:
         report(args.run_dir, None)
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = args.output or Path(tmp) / "run"
-        measured = run(out, args.set)
+        measured = run(out, args.set, args.example.resolve())
         report(out, measured)
 
 

@@ -97,6 +97,7 @@ def records_config(rl: RLConfig, max_model_len: int | None) -> RecordsConfig:
             estimator=rl.estimator,
             drop_zero_variance=rl.drop_zero_variance,
             train_single_groups=rl.train_single_groups,
+            turn_baseline=rl.turn_baseline,
         ),
     )
 

@@ -123,6 +123,12 @@ def records(
         None, "--failed-fill", help="Train failed/timed-out attempts with this reward (default: not trained)."
     ),
     gamma: float = typer.Option(1.0, "--gamma", help="Discount over calls for per-call rewards."),
+    turn_baseline: str = typer.Option(
+        "group",
+        "--turn-baseline",
+        help="Per-call rewards: compare each call with every call of its group (group) or with the calls at the "
+        "same turn (turn).",
+    ),
     split: str = typer.Option(
         "all", "--split", help="Export only this split (e.g. 'train'); default: every succeeded attempt."
     ),
@@ -143,6 +149,7 @@ def records(
                 norm_by_std=not no_std,
                 gamma=gamma,
                 failed_fill=failed_fill,
+                turn_baseline=turn_baseline,  # type: ignore[arg-type]  # checked by AdvantageConfig
                 drop_zero_variance=drop_zero_variance,
             ),
         )

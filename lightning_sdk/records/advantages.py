@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -57,8 +58,12 @@ class AdvantageConfig:
     scores are all equal (they are always counted). ``train_single_groups``: false leaves out groups with one
     trained rollout (a hand-opened session, or a group whose other attempts failed): with no other rollout to
     compare against, most estimators hand it its raw reward as advantage; train them only when the estimator is
-    meant for that (they are always counted). The names are ``[rl]``'s, so the trainer hands that section's values
-    over as they are.
+    meant for that (they are always counted). ``turn_baseline`` (per-turn credit only): ``"group"`` compares each
+    call's return with every call of its group; ``"turn"`` with the calls at the same turn of the group's other
+    rollouts (first calls with first calls, second with second): with per-call rewards the returns of a rollout's
+    first and last calls differ by construction, and one baseline over both pushes every first call up and every
+    last call down; a turn only one rollout of the group reached has no baseline and gets advantage 0. The names are
+    ``[rl]``'s, so the trainer hands that section's values over as they are.
     """
 
     estimator: str = "grpo"
@@ -69,6 +74,11 @@ class AdvantageConfig:
     failed_fill: float | None = None
     drop_zero_variance: bool = False
     train_single_groups: bool = True
+    turn_baseline: Literal["group", "turn"] = "group"
+
+    def __post_init__(self) -> None:
+        if self.turn_baseline not in ("group", "turn"):
+            raise ConfigError(f"turn_baseline must be 'group' or 'turn', got {self.turn_baseline!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -295,21 +295,37 @@ def _build(
             )
         chosen.extend(group_attempts)
 
-    # One estimator call over every item of every group.
+    # One estimator call over every item of every group. Items that share a baseline share an index: the group's
+    # position, or with per-turn credit and ``turn_baseline = "turn"`` the group's position and the call's turn.
     scores: list[float] = []
     gidx: list[int] = []
+    owner: list[int] = []  # the group position of every item
+    by_turn: list[bool] = []  # whether the item's baseline is its turn's
     tokens: list[int] = []
+    baselines: dict[tuple[int, int], int] = {}
     for a in chosen:
         a.item_start = len(scores)
         scores.extend(a.item_scores)
-        gidx.extend([a.group_pos] * len(a.item_scores))
+        turns = adv_cfg.turn_baseline == "turn" and a.item_call_ids != [None]
+        for k in range(len(a.item_scores)):
+            gidx.append(baselines.setdefault((a.group_pos, k if turns else -1), len(baselines)))
+        owner.extend([a.group_pos] * len(a.item_scores))
+        by_turn.extend([turns] * len(a.item_scores))
         tokens.extend(a.item_tokens)
     items = AdvantageInput.of(scores, gidx, tokens)
     adv = compute_advantages(items, adv_cfg) if advantages is None else advantages(items)
     if adv.shape != items.scores.shape:
         raise RecordError(f"advantages: {adv.shape[0]} values for {items.scores.shape[0]} items")
     flat = zero_variance_groups(items)
-    flat_groups = {gidx[i] for i in np.flatnonzero(flat).tolist()}
+    if any(by_turn):
+        # a turn that only one rollout of its group reached has nothing to compare with: advantage 0, teaching nothing
+        sizes = np.bincount(items.group_index, minlength=len(baselines))
+        alone = np.asarray(by_turn, dtype=bool) & (sizes[items.group_index] == 1)
+        adv = np.where(alone, 0.0, adv)
+        flat = flat | alone
+    # a zero-variance group: every item of it flat (or alone at its turn)
+    taught = {owner[i] for i in np.flatnonzero(~flat).tolist()}
+    flat_groups = {owner[i] for i in np.flatnonzero(flat).tolist()} - taught
 
     sizes = np.bincount(np.asarray([a.group_pos for a in chosen], dtype=np.int64), minlength=len(groups))
     single_groups = {int(g) for g in np.flatnonzero(sizes == 1).tolist()}

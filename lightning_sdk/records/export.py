@@ -245,12 +245,14 @@ async def _batch_advantages(pages: PageSource, config: RecordsConfig) -> F64:
     offset = 0
 
     def collect(items: AdvantageInput) -> F64:
+        nonlocal offset
         parts.append(AdvantageInput(items.scores, items.group_index + offset, items.token_counts))
+        if items.group_index.shape[0]:  # the page's baselines (groups, or a group's turns) after the last page's
+            offset += int(items.group_index.max()) + 1
         return np.zeros(items.scores.shape[0], dtype=np.float64)
 
     async for page in pages():
         build_records(page, config, advantages=collect)
-        offset += len(page)
     if not parts:
         return np.zeros(0, dtype=np.float64)
     items = AdvantageInput(

@@ -92,6 +92,11 @@ class RLConfig(_Section):
         description="train groups with one trained rollout (no baseline: most estimators give it its raw reward); "
         "off by default",
     )
+    turn_baseline: Literal["group", "turn"] = Field(
+        "group",
+        description="per-call rewards (per-turn credit): compare each call's return with every call of its group "
+        "(group) or with the calls at the same turn of the group's other rollouts (turn; records/advantages.py)",
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of RL rollouts (the learner uses it)")
     max_tokens: int = Field(64, ge=1, description="cap on the tokens of each RL completion")
     workers: int = Field(64, ge=1, description="in-process agent workers (train)")

@@ -214,6 +214,70 @@ def test_per_turn_credit_gives_each_call_its_discounted_return() -> None:
     assert np.all(rec0.advantages[rec0.loss_mask == 0] == 0.0)
 
 
+def _call_advantages(res: Any, rollout_id: str) -> list[float]:
+    rec = next(r for r in res.records if r.rollout_id == rollout_id)
+    return [float(rec.advantages[s.start]) for s in rec.segment.spans]
+
+
+def test_turn_baseline_compares_each_call_with_the_same_turn_of_the_other_rollouts() -> None:
+    """The calc agent's shape: a tool call rewarded for the right expression, then the answer (the final reward).
+    With one baseline over the group's calls every first call (its return includes the answer's reward and its own)
+    sits above every answer: in a group where all four rollouts are right in both calls, the group baseline still
+    pushes every tool call up and every answer down. The turn baseline compares tool calls with tool calls and
+    answers with answers: that group teaches nothing, and in a mixed one each call is judged against its turn."""
+    right = [_rollout("a", i, 1.0, turns=2, per_call=[0.5]) for i in range(4)]
+    grouped = build_records([_group("a", right)], RecordsConfig(advantage=AdvantageConfig(estimator="dr_grpo")))
+    assert _call_advantages(grouped, "a-r0") == pytest.approx([0.25, -0.25])  # returns [1.5, 1.0], mean 1.25
+    assert grouped.zero_variance_groups == 0
+    cfg = RecordsConfig(advantage=AdvantageConfig(estimator="dr_grpo", turn_baseline="turn"))
+    by_turn = build_records([_group("a", right)], cfg)
+    assert _call_advantages(by_turn, "a-r0") == [0.0, 0.0] and by_turn.zero_variance_groups == 1
+
+    # mixed: r0 right expression + right answer, r1 right expression + wrong answer, r2 wrong expression + "right"
+    # answer (a lucky guess), r3 wrong both. Returns (gamma 1): turn 0 [1.5, 0.5, 1.0, 0.0], turn 1 [1, 0, 1, 0]
+    mixed = _group(
+        "m",
+        [
+            _rollout("m", 0, 1.0, per_call=[0.5]),
+            _rollout("m", 1, 0.0, per_call=[0.5]),
+            _rollout("m", 2, 1.0, per_call=[0.0]),
+            _rollout("m", 3, 0.0, per_call=[0.0]),
+        ],
+    )
+    res = build_records([mixed], cfg)
+    assert [_call_advantages(res, f"m-r{i}") for i in range(4)] == [
+        pytest.approx([0.75, 0.5]),
+        pytest.approx([-0.25, -0.5]),
+        pytest.approx([0.25, 0.5]),
+        pytest.approx([-0.75, -0.5]),
+    ]
+    # grpo divides each turn by its own std
+    std0, std1 = np.std([1.5, 0.5, 1.0, 0.0], ddof=1), np.std([1.0, 0.0, 1.0, 0.0], ddof=1)
+    g = build_records([mixed], RecordsConfig(advantage=AdvantageConfig(turn_baseline="turn")))
+    assert _call_advantages(g, "m-r0") == pytest.approx([0.75 / (std0 + 1e-6), 0.5 / (std1 + 1e-6)])
+
+
+def test_turn_baseline_leaves_a_turn_only_one_rollout_reached_untrained() -> None:
+    """A third call that only one rollout made has no other third call to compare with: advantage 0 (a grpo
+    group of one would hand it its raw return); its first two calls are compared as usual."""
+    g = _group(
+        "g",
+        [_rollout("g", 0, 1.0, turns=3, per_call=[0.5]), _rollout("g", 1, 0.0, turns=2, per_call=[0.0])],
+    )
+    res = build_records([g], RecordsConfig(advantage=AdvantageConfig(estimator="dr_grpo", turn_baseline="turn")))
+    # r0 returns [1.5, 1.0, 1.0], r1 [0.0, 0.0]: turn 0 mean 0.75, turn 1 mean 0.5, turn 2 alone
+    assert _call_advantages(res, "g-r0") == pytest.approx([0.75, 0.5, 0.0])
+    assert _call_advantages(res, "g-r1") == pytest.approx([-0.75, -0.5])
+    assert res.zero_variance_groups == 0
+    # outcome rewards only (no per-call reward): one item per attempt, the turn setting changes nothing
+    plain = _group("p", [_rollout("p", 0, 1.0), _rollout("p", 1, 0.0)])
+    a = build_records([plain], RecordsConfig(advantage=AdvantageConfig(turn_baseline="turn")))
+    b = build_records([plain])
+    assert [r.scalar_advantage() for r in a.records] == [r.scalar_advantage() for r in b.records]
+    with pytest.raises(ConfigError, match="turn_baseline"):
+        AdvantageConfig(turn_baseline="call")  # type: ignore[arg-type]
+
+
 def test_groups_of_one_rollout_are_counted_kept_for_export_or_dropped_for_training() -> None:
     """A group with one trained rollout (a hand-opened session) has no baseline: grpo hands it its raw reward. The
     export keeps it (every succeeded attempt has a row); training leaves it out unless asked

@@ -135,14 +135,42 @@ async def _add_per_call_group(path: Path) -> None:
         await store.close()
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus_baseline"])
-async def test_streamed_export_writes_what_the_whole_export_writes(tmp_path: Path, estimator: str) -> None:
+async def _add_outcome_group(path: Path) -> None:
+    """A fourth group, after the per-call one: two rollouts of two calls, rewards 1 and 0.5 (outcome rewards)."""
+    store = SQLiteStore(path)
+    try:
+        await store.enqueue([{"q": "d"}], n=2, group_ids=["grp-d"])
+        for i in range(2):
+            claim = await store.claim(f"wd{i}")
+            assert claim is not None
+            att = claim.attempt
+            a = Attempt(att.attempt_id, att.rollout_id)
+            c0 = a.call([QWEN_IM_START, 80 + i, 11], [81, 82], version=3)
+            a.call([*full(c0), 30], [83 + i], version=3)
+            await store.record_calls(a.calls)
+            await store.record_rewards(
+                [Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=1.0 - 0.5 * i)]
+            )
+            await store.finish_attempt(att.attempt_id, AttemptStatus.SUCCEEDED)
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    ("estimator", "turn_baseline"),
+    [("grpo", "group"), ("reinforce_plus_plus_baseline", "group"), ("reinforce_plus_plus_baseline", "turn")],
+)
+async def test_streamed_export_writes_what_the_whole_export_writes(
+    tmp_path: Path, estimator: str, turn_baseline: str
+) -> None:
     """A page of one group at a time gives the same file and report as all groups at once; an estimator that whitens
-    over the whole batch costs a first pass that collects every item's score."""
+    over the whole batch costs a first pass that collects every item's score (with ``turn_baseline = "turn"`` a page
+    holds several baselines, one per turn of its group, kept apart from the next page's)."""
     db = tmp_path / "store.db"
     await _fill(db)
     await _add_per_call_group(db)
-    config = RecordsConfig(advantage=AdvantageConfig(estimator=estimator))
+    await _add_outcome_group(db)
+    config = RecordsConfig(advantage=AdvantageConfig(estimator=estimator, turn_baseline=turn_baseline))  # type: ignore[arg-type]
     store = SQLiteStore(db)
     try:
         whole = export_records(await load_groups(store, split=None), tmp_path / "whole.jsonl", config)
@@ -157,7 +185,7 @@ async def test_streamed_export_writes_what_the_whole_export_writes(tmp_path: Pat
     finally:
         await store.close()
     assert (tmp_path / "streamed.jsonl").read_bytes() == (tmp_path / "whole.jsonl").read_bytes()
-    assert streamed.rows == len(whole.records) == 6 and streamed.pages == 3
+    assert streamed.rows == len(whole.records) == 8 and streamed.pages == 4
     assert streamed.passes == (2 if estimator == "reinforce_plus_plus_baseline" else 1)
     assert streamed.summary() == whole.summary()
     assert json.loads((tmp_path / "report.json").read_bytes()) == json.loads(orjson.dumps(report_json(whole)))
@@ -253,6 +281,8 @@ def test_cli_errors_are_clear(tmp_path: Path) -> None:
     asyncio.run(_fill(db))
     res = _invoke(["records", "--store", str(db), "--out", str(tmp_path / "o"), "--estimator", "ppo"])
     assert res.exit_code == 1 and "unknown advantage estimator 'ppo'" in res.output and "rloo" in res.output
+    res = _invoke(["records", "--store", str(db), "--out", str(tmp_path / "o"), "--turn-baseline", "call"])
+    assert res.exit_code == 1 and "turn_baseline must be 'group' or 'turn'" in res.output
 
 
 def test_batch_pads_records_and_converts_to_torch() -> None:

@@ -96,6 +96,20 @@ def test_trained_rows_never_exceed_the_engines_context(tmp_path: Path) -> None:
     assert all(len(r.input_ids) == 22 and not r.segment.truncated for r in whole.records)
 
 
+def test_turn_baseline_goes_from_the_rl_section_to_the_records(tmp_path: Path) -> None:
+    """``[rl] turn_baseline`` reaches the loop's advantage settings; a value outside group/turn fails at load time."""
+    import pytest
+
+    from lightning_sdk.errors import ConfigError
+
+    (tmp_path / "train.toml").write_text('agent = "agent.py:agent"\n')
+    assert records_config(load_train_config(tmp_path).rl, None).advantage.turn_baseline == "group"
+    turn = load_train_config(tmp_path, {"rl.turn_baseline": "turn"})
+    assert records_config(turn.rl, None).advantage.turn_baseline == "turn"
+    with pytest.raises(ConfigError, match="turn_baseline"):
+        load_train_config(tmp_path, {"rl.turn_baseline": "call"})
+
+
 def test_groups_of_one_are_trained_only_when_configured(tmp_path: Path) -> None:
     """``[rl] train_single_groups`` (off by default) decides whether the trainer trains groups of one rollout;
     ``samples_per_task = 1`` without it is a config error naming the key, not a run that silently trains nothing."""
