@@ -533,10 +533,14 @@ async def counts(cur: Cur) -> dict[str, int]:
     return out
 
 
-async def finished_groups(cur: Cur, limit: int, split: str) -> list[FinishedGroup]:
+async def finished_groups(
+    cur: Cur, limit: int, split: str, cache: lc.FinishedCache | None = None
+) -> list[FinishedGroup]:
     await cur.execute(f"SELECT {GROUP_COLS} {_READY} ORDER BY g.seq LIMIT %s", (split, limit))
     groups = [group_from_row(r) for r in await cur.fetchall()]
-    return await _with_rollouts(cur, groups)
+    if cache is None:
+        return await _with_rollouts(cur, groups)
+    return cache.answer(split, groups, await _with_rollouts(cur, cache.missing(groups)))
 
 
 async def list_group_details(

@@ -379,11 +379,13 @@ def counts(conn: Conn) -> dict[str, int]:
     return out
 
 
-def finished_groups(conn: Conn, limit: int, split: str) -> list[FinishedGroup]:
+def finished_groups(conn: Conn, limit: int, split: str, cache: lc.FinishedCache | None = None) -> list[FinishedGroup]:
     groups = [
         group_from_row(r) for r in conn.execute(f"SELECT {GROUP_COLS} {_READY} ORDER BY g.seq LIMIT ?", (split, limit))
     ]
-    return _with_rollouts(conn, groups)
+    if cache is None:
+        return _with_rollouts(conn, groups)
+    return cache.answer(split, groups, _with_rollouts(conn, cache.missing(groups)))
 
 
 def list_group_details(

@@ -96,6 +96,7 @@ class PostgresStore:
         self._listen_wanted = False  # someone waits on attempt_ends (the trainer): then LISTEN
         self._closed = False
         self._lock = threading.Lock()
+        self._finished = lc.FinishedCache()  # finished groups already loaded (store/_lifecycle.py)
         self._pools: dict[asyncio.AbstractEventLoop, AsyncConnectionPool[psycopg.AsyncConnection[Any]]] = {}
         self._opening: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._listener: asyncio.Task[None] | None = None
@@ -352,7 +353,7 @@ class PostgresStore:
 
     # -- training ------------------------------------------------------------------------------------------------
     async def finished_groups(self, *, limit: int = 64, split: str = "train") -> list[FinishedGroup]:
-        return await self._txn(ops.finished_groups, limit, split, read=True)
+        return await self._txn(ops.finished_groups, limit, split, self._finished, read=True)
 
     async def consume_groups(self, step: int, group_ids: list[str]) -> list[str]:
         return await self._txn(ops.consume_groups, step, group_ids)

@@ -77,6 +77,7 @@ class SQLiteStore:
         self._closed = False
         self._running: dict[str, Attempt] = {}  # token -> running attempt (see module docstring)
         self._cache_lock = threading.Lock()
+        self._finished = lc.FinishedCache()  # finished groups already loaded (used on the reader thread only)
         self.attempt_ends = AttemptEnds()  # bumped when attempts end: the trainer waits on it (store/_events.py)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="lsdk-store-writer")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="lsdk-store-reader")
@@ -255,7 +256,7 @@ class SQLiteStore:
 
     # -- training ------------------------------------------------------------------------------------------------
     async def finished_groups(self, *, limit: int = 64, split: str = "train") -> list[FinishedGroup]:
-        return await self._read(ops.finished_groups, limit, split)
+        return await self._read(ops.finished_groups, limit, split, self._finished)
 
     async def consume_groups(self, step: int, group_ids: list[str]) -> list[str]:
         return await self._write(ops.consume_groups, step, group_ids)

@@ -355,3 +355,39 @@ def test_call_row_body_is_the_model_dump_of_the_other_fields() -> None:
     assert back.model_dump(exclude={"request"}) == call.model_dump(exclude={"request"})
     with pytest.raises(ConfigError, match="call c-1 is not JSON-serialisable"):
         call_to_row(call.model_copy(update={"checks": {"bad": object()}}))
+
+
+async def test_finished_groups_load_the_details_of_each_group_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the finished groups loads the rollouts, attempts and calls only of groups it has not loaded yet (or
+    whose row changed): reading 40 waiting groups ten times while one more finishes loads 41 groups' details, not
+    401 (before: every read loaded every waiting group, ~13% of a core in the calc example's RL phase)."""
+    loaded: list[str] = []
+    real = ops._with_rollouts
+
+    def spy(conn: sqlite3.Connection, groups: list) -> list:  # type: ignore[type-arg]
+        loaded.extend(g.group_id for g in groups)
+        return real(conn, groups)
+
+    monkeypatch.setattr(ops, "_with_rollouts", spy)
+    store = SQLiteStore(tmp_path / "store.db")
+    try:
+        await store.enqueue([{"i": i} for i in range(41)], n=2, group_ids=[f"g{i:02d}" for i in range(41)])
+        for _ in range(80):
+            claim = await store.claim("w", split="train")
+            assert claim is not None
+            await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+        reads = [await store.finished_groups(limit=64, split="train") for _ in range(10)]
+        assert all(len(r) == 40 for r in reads) and len(loaded) == 40
+        assert all(r == reads[0] for r in reads)
+        for _ in range(2):
+            claim = await store.claim("w", split="train")
+            assert claim is not None
+            await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+        last = await store.finished_groups(limit=64, split="train")
+        assert [g.group.group_id for g in last] == [f"g{i:02d}" for i in range(41)] and loaded[40:] == ["g40"]
+        await store.consume_groups(1, [f"g{i:02d}" for i in range(30)])
+        assert len(await store.finished_groups(limit=64, split="train")) == 11 and len(store._finished) == 11
+    finally:
+        await store.close()

@@ -378,6 +378,41 @@ async def test_rollout_details_page_like_get_rollout_and_load_groups_reads_a_pag
     assert [g.group.task for g in await load_groups(store, split="eval")] == [{"i": 99}]
 
 
+async def test_finished_groups_read_again_see_joined_sessions_and_forget_consumed_groups(store: Store) -> None:
+    """The trainer reads the finished groups again and again until it has a step's worth (the SQL stores keep the
+    details they loaded: ``FinishedCache``). A read after a session joined a finished group and ended, with no read
+    between the two, has the group with the new rollout and its call; a consumed group is gone from the next read."""
+    await store.enqueue([{"i": 0}, {"i": 1}], n=2, group_ids=["ga", "gb"])
+    claim = await store.claim("w", split="train")
+    while claim is not None:
+        call = Call(call_id=f"c-{claim.attempt.attempt_id}", attempt_id=claim.attempt.attempt_id,
+                    rollout_id=claim.rollout.rollout_id, model="policy", prompt_ids=[1], completion_ids=[5],
+                    logprobs=[-0.5])  # fmt: skip
+        await store.record_calls([call])
+        await store.finish_attempt(claim.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+        claim = await store.claim("w", split="train")
+    first = await store.finished_groups(split="train")
+    assert [(g.group.group_id, len(g.rollouts)) for g in first] == [("ga", 2), ("gb", 2)]
+    again = await store.finished_groups(split="train")
+    assert again == first
+    joined = await store.open_session(group_id="ga")
+    call = Call(call_id="c-joined", attempt_id=joined.attempt.attempt_id, rollout_id=joined.rollout.rollout_id,
+                model="policy", prompt_ids=[1], completion_ids=[7], logprobs=[-0.25])  # fmt: skip
+    await store.record_calls([call])
+    await store.record_rewards(
+        [Reward(rollout_id=joined.rollout.rollout_id, attempt_id=joined.attempt.attempt_id, value=1.0)]
+    )
+    await store.finish_attempt(joined.attempt.attempt_id, AttemptStatus.SUCCEEDED)
+    after = {g.group.group_id: g for g in await store.finished_groups(split="train")}
+    assert after["ga"].group.n == 3 and len(after["ga"].rollouts) == 3
+    new = after["ga"].rollouts[2].attempts[0]
+    assert new.calls[0].completion_ids == [7] and [r.value for r in new.rewards] == [1.0]
+    assert after["gb"] == first[1]
+    assert await store.consume_groups(1, ["ga"]) == ["ga"]
+    assert [g.group.group_id for g in await store.finished_groups(split="train")] == ["gb"]
+    assert await store.finished_groups(split="eval") == []
+
+
 async def test_group_details_page_groups_in_creation_order_with_every_rollout(store: Store) -> None:
     """A group's rollouts are all in its page, also one that joined the group after later groups were made; consumed
     groups and other splits are listed too (an export wants everything)."""
