@@ -112,48 +112,46 @@ async def test_export_round_trip_through_sqlite_file(tmp_path: Path) -> None:
     assert len(grp_b) == 1 and result.zero_variance_groups == 0
 
 
-async def _add_per_call_group(path: Path) -> None:
-    """A third group whose first attempt rewards a call (per-turn credit: per-token advantages)."""
+async def _add_two_call_group(
+    path: Path, gid: str, first: int, finals: tuple[float, float], first_call_reward: float | None
+) -> None:
+    """A group of two rollouts, two calls each (token ids from ``first``), final rewards ``finals``; with
+    ``first_call_reward`` the first rollout also rewards its first call (per-turn credit: per-token advantages)."""
     store = SQLiteStore(path)
     try:
-        await store.enqueue([{"q": "c"}], n=2, group_ids=["grp-c"])
+        await store.enqueue([{"q": gid}], n=2, group_ids=[gid])
         for i in range(2):
-            claim = await store.claim(f"wc{i}")
+            claim = await store.claim(f"w-{gid}-{i}")
             assert claim is not None
             att = claim.attempt
             a = Attempt(att.attempt_id, att.rollout_id)
-            c0 = a.call([QWEN_IM_START, 50 + i, 11], [60, 61], version=3)
-            a.call([*full(c0), 30], [70, 71, 72], version=3)
+            c0 = a.call([QWEN_IM_START, first + i, 11], [first + 10, first + 11], version=3)
+            a.call([*full(c0), 30], [first + 20, first + 21 + i], version=3)
             await store.record_calls(a.calls)
-            rewards = [Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=float(i))]
-            if i == 0:
-                per_call = Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=0.5, call_id=c0.call_id)
-                rewards.append(per_call)
+            rewards = [Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=finals[i])]
+            if i == 0 and first_call_reward is not None:
+                rewards.append(
+                    Reward(
+                        rollout_id=att.rollout_id,
+                        attempt_id=att.attempt_id,
+                        value=first_call_reward,
+                        call_id=c0.call_id,
+                    )
+                )
             await store.record_rewards(rewards)
             await store.finish_attempt(att.attempt_id, AttemptStatus.SUCCEEDED)
     finally:
         await store.close()
 
 
+async def _add_per_call_group(path: Path) -> None:
+    """A third group whose first attempt rewards a call (per-turn credit: per-token advantages)."""
+    await _add_two_call_group(path, "grp-c", 50, (0.0, 1.0), 0.5)
+
+
 async def _add_outcome_group(path: Path) -> None:
-    """A fourth group, after the per-call one: two rollouts of two calls, rewards 1 and 0.5 (outcome rewards)."""
-    store = SQLiteStore(path)
-    try:
-        await store.enqueue([{"q": "d"}], n=2, group_ids=["grp-d"])
-        for i in range(2):
-            claim = await store.claim(f"wd{i}")
-            assert claim is not None
-            att = claim.attempt
-            a = Attempt(att.attempt_id, att.rollout_id)
-            c0 = a.call([QWEN_IM_START, 80 + i, 11], [81, 82], version=3)
-            a.call([*full(c0), 30], [83 + i], version=3)
-            await store.record_calls(a.calls)
-            await store.record_rewards(
-                [Reward(rollout_id=att.rollout_id, attempt_id=att.attempt_id, value=1.0 - 0.5 * i)]
-            )
-            await store.finish_attempt(att.attempt_id, AttemptStatus.SUCCEEDED)
-    finally:
-        await store.close()
+    """A fourth group, after the per-call one: outcome rewards 1 and 0.5."""
+    await _add_two_call_group(path, "grp-d", 80, (1.0, 0.5), None)
 
 
 @pytest.mark.parametrize(
