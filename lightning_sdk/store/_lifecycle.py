@@ -285,21 +285,26 @@ class FinishedCache:
         self._groups: dict[str, FinishedGroup] = {}
         self._lock = threading.Lock()  # a PostgreSQL store reads from any thread's event loop
 
-    def missing(self, groups: list[Group]) -> list[Group]:
-        """Of ``groups`` (the ready rows of one read), those whose details must be loaded."""
+    def known(self, groups: list[Group]) -> dict[str, FinishedGroup]:
+        """Of ``groups`` (the ready rows of one read), those loaded before with the same row, by id; the others'
+        details must be loaded (a snapshot: a concurrent read may forget entries meanwhile)."""
         with self._lock:
-            return [g for g in groups if (known := self._groups.get(g.group_id)) is None or known.group != g]
+            return {
+                g.group_id: fg for g in groups if (fg := self._groups.get(g.group_id)) is not None and fg.group == g
+            }
 
-    def answer(self, split: str, groups: list[Group], loaded: list[FinishedGroup]) -> list[FinishedGroup]:
-        """``groups`` with their details (cached, or ``loaded`` now); the split's other entries are forgotten."""
-        now = {fg.group.group_id: fg for fg in loaded}
+    def answer(
+        self, split: str, groups: list[Group], known: dict[str, FinishedGroup], loaded: list[FinishedGroup]
+    ) -> list[FinishedGroup]:
+        """``groups`` with their details (``known`` before, or ``loaded`` now); the split's other entries are
+        forgotten."""
+        now = {**known, **{fg.group.group_id: fg for fg in loaded}}
+        ready = {g.group_id for g in groups}
         with self._lock:
-            out = [now.get(g.group_id) or self._groups[g.group_id] for g in groups]
-            self._groups.update(now)
-            ready = {g.group_id for g in groups}
+            self._groups.update((fg.group.group_id, fg) for fg in loaded)
             for gid in [gid for gid, fg in self._groups.items() if fg.group.split == split and gid not in ready]:
                 del self._groups[gid]
-        return out
+        return [now[g.group_id] for g in groups]
 
     def __len__(self) -> int:
         return len(self._groups)

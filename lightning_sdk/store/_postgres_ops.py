@@ -540,7 +540,9 @@ async def finished_groups(
     groups = [group_from_row(r) for r in await cur.fetchall()]
     if cache is None:
         return await _with_rollouts(cur, groups)
-    return cache.answer(split, groups, await _with_rollouts(cur, cache.missing(groups)))
+    known = cache.known(groups)
+    missing = [g for g in groups if g.group_id not in known]
+    return cache.answer(split, groups, known, await _with_rollouts(cur, missing))
 
 
 async def list_group_details(

@@ -385,7 +385,9 @@ def finished_groups(conn: Conn, limit: int, split: str, cache: lc.FinishedCache 
     ]
     if cache is None:
         return _with_rollouts(conn, groups)
-    return cache.answer(split, groups, _with_rollouts(conn, cache.missing(groups)))
+    known = cache.known(groups)
+    missing = [g for g in groups if g.group_id not in known]
+    return cache.answer(split, groups, known, _with_rollouts(conn, missing))
 
 
 def list_group_details(

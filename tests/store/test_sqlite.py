@@ -391,3 +391,23 @@ async def test_finished_groups_load_the_details_of_each_group_once(
         assert len(await store.finished_groups(limit=64, split="train")) == 11 and len(store._finished) == 11
     finally:
         await store.close()
+
+
+def test_finished_cache_answers_from_its_snapshot_when_a_concurrent_read_forgot_a_group() -> None:
+    """Two reads at once (the PostgreSQL store reads from any event loop): the later one, seeing a group consumed,
+    forgets it while the earlier one is loading the rest; the earlier one still answers every group it found ready
+    (from the snapshot ``known`` took), and the forgotten group is loaded again by the next read that finds it."""
+    from lightning_sdk.store import _lifecycle as lc
+    from lightning_sdk.types import FinishedGroup
+
+    a, b, c = (lc.new_group({"i": i}, 2, "train", f"g{i}", 0.0) for i in range(3))
+    cache = lc.FinishedCache()
+    cache.answer("train", [a, b], {}, [FinishedGroup(a, []), FinishedGroup(b, [])])
+    known = cache.known([a, b, c])  # the earlier read: a and b known, c to load
+    assert set(known) == {"g0", "g1"}
+    assert [fg.group.group_id for fg in cache.answer("train", [b], cache.known([b]), [])] == ["g1"]  # a consumed
+    earlier = cache.answer("train", [a, b, c], known, [FinishedGroup(c, [])])
+    assert [fg.group.group_id for fg in earlier] == ["g0", "g1", "g2"]
+    assert set(cache.known([a, b, c])) == {"g1", "g2"}  # g0 forgotten: the next read that finds it loads it
+    joined = a.model_copy(update={"n": 3})  # a session joined g0: its row changed, its details load again
+    assert set(cache.known([joined, b])) == {"g1"}
