@@ -285,13 +285,14 @@ class FinishedCache:
         self._groups: dict[str, FinishedGroup] = {}
         self._lock = threading.Lock()  # a PostgreSQL store reads from any thread's event loop
 
-    def known(self, groups: list[Group]) -> dict[str, FinishedGroup]:
-        """Of ``groups`` (the ready rows of one read), those loaded before with the same row, by id; the others'
-        details must be loaded (a snapshot: a concurrent read may forget entries meanwhile)."""
+    def lookup(self, groups: list[Group]) -> tuple[dict[str, FinishedGroup], list[Group]]:
+        """Of ``groups`` (the ready rows of one read): those loaded before with the same row, by id (a snapshot: a
+        concurrent read may forget entries meanwhile), and the others, whose details must be loaded."""
         with self._lock:
-            return {
+            known = {
                 g.group_id: fg for g in groups if (fg := self._groups.get(g.group_id)) is not None and fg.group == g
             }
+        return known, [g for g in groups if g.group_id not in known]
 
     def answer(
         self, split: str, groups: list[Group], known: dict[str, FinishedGroup], loaded: list[FinishedGroup]

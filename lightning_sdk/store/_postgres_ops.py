@@ -540,8 +540,7 @@ async def finished_groups(
     groups = [group_from_row(r) for r in await cur.fetchall()]
     if cache is None:
         return await _with_rollouts(cur, groups)
-    known = cache.known(groups)
-    missing = [g for g in groups if g.group_id not in known]
+    known, missing = cache.lookup(groups)
     return cache.answer(split, groups, known, await _with_rollouts(cur, missing))
 
 

@@ -385,8 +385,7 @@ def finished_groups(conn: Conn, limit: int, split: str, cache: lc.FinishedCache 
     ]
     if cache is None:
         return _with_rollouts(conn, groups)
-    known = cache.known(groups)
-    missing = [g for g in groups if g.group_id not in known]
+    known, missing = cache.lookup(groups)
     return cache.answer(split, groups, known, _with_rollouts(conn, missing))
 
 

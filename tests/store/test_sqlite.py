@@ -403,11 +403,11 @@ def test_finished_cache_answers_from_its_snapshot_when_a_concurrent_read_forgot_
     a, b, c = (lc.new_group({"i": i}, 2, "train", f"g{i}", 0.0) for i in range(3))
     cache = lc.FinishedCache()
     cache.answer("train", [a, b], {}, [FinishedGroup(a, []), FinishedGroup(b, [])])
-    known = cache.known([a, b, c])  # the earlier read: a and b known, c to load
-    assert set(known) == {"g0", "g1"}
-    assert [fg.group.group_id for fg in cache.answer("train", [b], cache.known([b]), [])] == ["g1"]  # a consumed
+    known, missing = cache.lookup([a, b, c])  # the earlier read: a and b known, c to load
+    assert set(known) == {"g0", "g1"} and missing == [c]
+    assert [fg.group.group_id for fg in cache.answer("train", [b], cache.lookup([b])[0], [])] == ["g1"]  # a consumed
     earlier = cache.answer("train", [a, b, c], known, [FinishedGroup(c, [])])
     assert [fg.group.group_id for fg in earlier] == ["g0", "g1", "g2"]
-    assert set(cache.known([a, b, c])) == {"g1", "g2"}  # g0 forgotten: the next read that finds it loads it
+    assert set(cache.lookup([a, b, c])[0]) == {"g1", "g2"}  # g0 forgotten: the next read that finds it loads it
     joined = a.model_copy(update={"n": 3})  # a session joined g0: its row changed, its details load again
-    assert set(cache.known([joined, b])) == {"g1"}
+    assert cache.lookup([joined, b])[1] == [joined]
