@@ -319,8 +319,8 @@ def _build(
     flat = zero_variance_groups(items)
     if any(by_turn):
         # a turn that only one rollout of its group reached has nothing to compare with: advantage 0, teaching nothing
-        sizes = np.bincount(items.group_index, minlength=len(baselines))
-        alone = np.asarray(by_turn, dtype=bool) & (sizes[items.group_index] == 1)
+        members = np.bincount(items.group_index, minlength=len(baselines))
+        alone = np.asarray(by_turn, dtype=bool) & (members[items.group_index] == 1)
         adv = np.where(alone, 0.0, adv)
         flat = flat | alone
     # a zero-variance group: every item of it flat (or alone at its turn)
