@@ -52,12 +52,55 @@ PROBE = textwrap.dedent(
     """
 )
 
+# a small policy's settings after limit_malloc: a 4 MiB block from the heap, and glibc keeping a freed heap top of
+# 32 MiB (the heap's size in mallinfo2().arena does not shrink) where its 128 KiB default trims it
+TUNE = textwrap.dedent(
+    """
+    import ctypes, json, sys
+    from lightning_sdk import memory
 
-def _probe(**env: str) -> dict[str, object]:
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def mapped_by_malloc(nbytes):
+        before = libc.mallinfo2().hblks
+        p = libc.malloc(nbytes)
+        after = libc.mallinfo2().hblks
+        libc.free(p)
+        return after > before
+
+    def heap_kept_after_free(nbytes):
+        # 512 KiB blocks (below either threshold: from the heap), freed in reverse order: the heap's top is free
+        blocks = [libc.malloc(512 << 10) for _ in range(nbytes >> 19)]
+        grown = libc.mallinfo2().arena
+        for b in reversed(blocks):
+            libc.free(b)
+        assert grown >= nbytes, grown
+        return libc.mallinfo2().arena >= grown - (1 << 20)
+
+    out = {}
+    memory.limit_malloc()
+    out["small"] = memory.tune_for_policy(int(sys.argv[1]))
+    out["maps_4mib"] = mapped_by_malloc(4 << 20)
+    out["maps_16mib"] = mapped_by_malloc(16 << 20)
+    out["keeps_heap_top"] = heap_kept_after_free(32 << 20)
+    print(json.dumps(out))
+    """
+)
+
+
+def _probe(*args: str, code: str = PROBE, **env: str) -> dict[str, object]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True
-    )
+        [sys.executable, "-c", code, *args], env={**clean, **env}, capture_output=True, text=True, timeout=60,
+        check=True,
+    )  # fmt: skip
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -81,3 +124,28 @@ def test_a_users_arena_cap_leaves_the_threshold_alone() -> None:
     out = _probe(MALLOC_ARENA_MAX="4")
     assert out["start"] is None
     assert out["start_maps_2mib"] is True  # glibc's own start threshold: 128 KiB
+
+
+def test_a_small_policy_keeps_its_step_tensors_in_the_heap() -> None:
+    """The tiny calc policy (3.2M parameters): 4 MiB blocks come from the heap and a freed 32 MiB heap top stays
+    (no page faults when the next step allocates them again); 16 MiB blocks are still mapped."""
+    out = _probe("3200000", code=TUNE)
+    assert out["small"] == {"mmap_threshold": 8 << 20, "trim_threshold": 64 << 20}
+    assert out["maps_4mib"] is False
+    assert out["maps_16mib"] is True
+    assert out["keeps_heap_top"] is True
+
+
+def test_a_large_policy_keeps_one_mib() -> None:
+    out = _probe("135000000", code=TUNE)  # SmolLM2-135M
+    assert out["small"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None}
+    assert out["maps_4mib"] is True
+    assert out["keeps_heap_top"] is False  # glibc's own trim threshold (128 KiB once a threshold is fixed)
+
+
+def test_a_users_settings_are_not_tuned() -> None:
+    out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2")
+    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None}
+    out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None}
+    assert out["maps_4mib"] is True

@@ -51,10 +51,12 @@ def build_parts(
     learner``: the ``Learner`` as a Ray actor), and the chat template ``policy`` names. ``policies``
     (``[policies]``): several policies, each a LoRA adapter over this one base (``app/policies.py``). Servers this
     launched are stopped when a later part fails to build."""
+    from lightning_sdk.memory import tune_for_policy
     from lightning_sdk.policy.model import load_policy, policy_renderer
 
     remote = engine.kind != "embedded"
     model, tokenizer = load_policy(model_dir)
+    tune_for_policy(sum(p.numel() for p in model.parameters()))  # a small policy's malloc settings (memory.py)
     renderer = policy_renderer(policy or PolicyConfig(), tokenizer)
     if policies:
         if not isinstance(learner, LearnerConfig):

@@ -30,6 +30,7 @@ from lightning_sdk.app.loop import StepReport, never
 from lightning_sdk.app.rl import RLWorkers, evaluate, run_rl
 from lightning_sdk.app.view import ProgressView, plot_reward_curve
 from lightning_sdk.app.warmup import run_warm_start
+from lightning_sdk.memory import malloc_settings
 from lightning_sdk.trainer.balance import BalancedThreads
 from lightning_sdk.trainer.config import TrainConfig
 from lightning_sdk.trainer.stopping import GainTarget, WallBudget
@@ -189,6 +190,7 @@ async def run_training(
         "dropped_stale_groups": loop.dropped_total,
         "reward_curve": str(curve) if curve else None,
         "balance": state.get("balance"),
+        "malloc": malloc_settings(),  # glibc's thresholds as lightning_sdk/memory.py set them (None: not set)
         "stopped_short": (state.get("rl") or {}).get("stop", {}).get("message") if _short(state) else None,
         "resumed": job.resumed,
         "timeline": timeline,
