@@ -20,52 +20,69 @@ A small policy does not (``tune_for_policy``, called once the job's policy is lo
 tensors that come and go thousands of times a minute (a prefill's activations, the engine's batch caches, the
 learner's micro-batches) are 1-8 MiB, so under a 1 MiB threshold every one of them was mapped, faulted in page by
 page and unmapped: 20 million page faults in two minutes of ``lightning-sdk train examples/calc_agent``, a quarter
-of the process's CPU time spent in the kernel (47 of 178 s). For a policy under ``SMALL_POLICY_PARAMETERS`` the
-threshold goes to ``SMALL_POLICY_MMAP_THRESHOLD`` (8 MiB) and glibc keeps up to ``SMALL_POLICY_TRIM_THRESHOLD``
-(64 MiB) of free heap before giving it back (``M_TRIM_THRESHOLD``; glibc's 128 KiB default once a threshold is
-fixed returned and re-faulted the heap's top at every step): 0.5 million faults, 7 s in the kernel, the warm
-start's 42 steps in 26 s instead of 47 s and an RL step ~7 s instead of ~9 s (2-core Xeon, 2026-12-06, issue 25;
-docs/development.md, thirteenth round). ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` /
-``MALLOC_ARENA_MAX`` in the environment always win (glibc reads them at start; nothing here overrides them).
+of the process's CPU time spent in the kernel (47 of 178 s). Measured on that job (2-core Xeon, 2026-12-06, issue
+25; docs/development.md, thirteenth round):
+
+- during a small policy's supervised warm start (``warm_start_phase``; a policy under ``SMALL_POLICY_PARAMETERS``,
+  marked by ``tune_for_policy``) the threshold is ``WARM_START_MMAP_THRESHOLD`` (8 MiB) and glibc keeps up to
+  ``WARM_START_TRIM_THRESHOLD`` (64 MiB) of free heap before giving it back (``M_TRIM_THRESHOLD``; its 128 KiB
+  default once a threshold is fixed returned and re-faulted the heap's top at every step): a step's activations for
+  32 demonstrations are 2-8 MiB each, and kept in the heap the warm start's 42 steps took 22-31 s instead of 44-50 s
+  (0.3-0.5 million page faults instead of 20 million);
+- not in RL: there the same blocks, kept beside the engine's long-lived prefix-cache entries, fragment the heap, and
+  whole runs at 8 MiB peaked at 1.48-1.57 GB RSS (1.21-1.28 GB at 1 MiB) for RL steps only ~10% faster. At the warm
+  start's end the thresholds go back to 1 MiB and glibc's default, and the free heap is returned (``malloc_trim``).
+
+``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the environment always win (glibc
+reads them at start; nothing here overrides them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = [
     "MMAP_THRESHOLD",
-    "SMALL_POLICY_MMAP_THRESHOLD",
     "SMALL_POLICY_PARAMETERS",
-    "SMALL_POLICY_TRIM_THRESHOLD",
+    "WARM_START_MMAP_THRESHOLD",
+    "WARM_START_TRIM_THRESHOLD",
     "limit_malloc",
     "malloc_settings",
     "mmap_threshold",
     "set_mmap_threshold",
     "set_trim_threshold",
     "tune_for_policy",
+    "warm_start_phase",
 ]
 
 MMAP_THRESHOLD = 1 << 20
 """1 MiB: every block of 1 MiB or more is mapped when allocated and unmapped when freed."""
 
 SMALL_POLICY_PARAMETERS = 50_000_000
-"""Policies with fewer parameters than this get ``SMALL_POLICY_MMAP_THRESHOLD`` and ``SMALL_POLICY_TRIM_THRESHOLD``
-(``tune_for_policy``); SmolLM2-135M and larger keep 1 MiB."""
+"""Policies with fewer parameters than this warm-start under ``WARM_START_MMAP_THRESHOLD`` and
+``WARM_START_TRIM_THRESHOLD`` (``warm_start_phase``); SmolLM2-135M and larger keep 1 MiB."""
 
-SMALL_POLICY_MMAP_THRESHOLD = 8 << 20
-"""8 MiB: a small policy's tensors that come and go at every step (1-8 MiB) stay in the heap."""
+WARM_START_MMAP_THRESHOLD = 8 << 20
+"""8 MiB: a small policy's supervised steps keep their 2-8 MiB activations in the heap."""
 
-SMALL_POLICY_TRIM_THRESHOLD = 64 << 20
-"""64 MiB of free heap top kept (per arena) before glibc returns it to the kernel."""
+WARM_START_TRIM_THRESHOLD = 64 << 20
+"""64 MiB of free heap top kept (per arena) during a small policy's warm start."""
+
+GLIBC_TRIM_THRESHOLD = 128 << 10
+"""glibc's own trim threshold (128 KiB), put back after the warm start."""
 
 _M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 _M_ARENA_MAX = -8
 _M_MMAP_THRESHOLD = -3
 
 _state: dict[str, int | None] = {"threshold": None, "trim": None}  # what this module set (None: never set)
+_small: dict[str, bool] = {"policy": False}  # tune_for_policy found a small policy
+_warm: dict[str, dict[str, int | None] | None] = {"last": None}  # the last warm_start_phase's settings
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -106,23 +123,45 @@ def set_trim_threshold(nbytes: int) -> bool:
     return True
 
 
-def tune_for_policy(parameters: int) -> dict[str, int | None]:
-    """Once the policy is loaded: with fewer than ``SMALL_POLICY_PARAMETERS`` parameters, the mmap threshold goes to
-    ``SMALL_POLICY_MMAP_THRESHOLD`` and the trim threshold to ``SMALL_POLICY_TRIM_THRESHOLD`` (the trim threshold
-    unless the user set ``MALLOC_TRIM_THRESHOLD_``); a larger policy keeps what ``limit_malloc`` set. Only a process
-    whose threshold ``limit_malloc`` fixed at start is tuned: where the user set ``MALLOC_MMAP_THRESHOLD_`` or
-    ``MALLOC_ARENA_MAX``, or nothing called ``limit_malloc`` (a library use), malloc stays as it is. Returns
-    ``malloc_settings()``."""
-    if _state["threshold"] is not None and 0 < parameters < SMALL_POLICY_PARAMETERS:
-        set_mmap_threshold(SMALL_POLICY_MMAP_THRESHOLD)
-        set_trim_threshold(SMALL_POLICY_TRIM_THRESHOLD)
+def tune_for_policy(parameters: int) -> dict[str, Any]:
+    """Once the policy is loaded: a policy with fewer than ``SMALL_POLICY_PARAMETERS`` parameters is small, and its
+    warm start runs under ``warm_start_phase``'s settings. Only a process whose threshold ``limit_malloc`` fixed at
+    start is tuned: where the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_ARENA_MAX``, or nothing called
+    ``limit_malloc`` (a library use), malloc stays as it is. Returns ``malloc_settings()``."""
+    _small["policy"] = _state["threshold"] is not None and 0 < parameters < SMALL_POLICY_PARAMETERS
     return malloc_settings()
 
 
-def malloc_settings() -> dict[str, int | None]:
-    """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes (None: left to glibc or the
-    environment); ``summary.json`` records it."""
-    return {"mmap_threshold": _state["threshold"], "trim_threshold": _state["trim"]}
+@contextlib.contextmanager
+def warm_start_phase() -> Iterator[int | None]:
+    """Around a small policy's supervised warm start: the mmap threshold at ``WARM_START_MMAP_THRESHOLD`` and the
+    trim threshold at ``WARM_START_TRIM_THRESHOLD`` (unless the user set ``MALLOC_TRIM_THRESHOLD_``), then both back
+    (the threshold to what it was, the trim threshold to glibc's 128 KiB) and the free heap returned to the kernel
+    (``malloc_trim``). Yields the threshold in force (None: nothing changed: not a small policy, or the user's own
+    settings)."""
+    before = _state["threshold"]
+    if not _small["policy"] or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
+        yield None
+        return
+    trimmed = set_trim_threshold(WARM_START_TRIM_THRESHOLD)
+    _warm["last"] = {"mmap_threshold": WARM_START_MMAP_THRESHOLD, "trim_threshold": _state["trim"]}
+    try:
+        yield WARM_START_MMAP_THRESHOLD
+    finally:
+        set_mmap_threshold(before)
+        if trimmed:
+            set_trim_threshold(GLIBC_TRIM_THRESHOLD)
+            _state["trim"] = None  # glibc's own again
+        libc = _libc()
+        if libc is not None:
+            libc.malloc_trim(0)
+
+
+def malloc_settings() -> dict[str, Any]:
+    """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes now (None: left to glibc or the
+    environment) and ``warm_start``, those of the last ``warm_start_phase`` (None: it changed nothing);
+    ``summary.json`` records it."""
+    return {"mmap_threshold": _state["threshold"], "trim_threshold": _state["trim"], "warm_start": _warm["last"]}
 
 
 def limit_malloc(arenas: int = 2) -> None:

@@ -52,8 +52,9 @@ PROBE = textwrap.dedent(
     """
 )
 
-# a small policy's settings after limit_malloc: a 4 MiB block from the heap, and glibc keeping a freed heap top of
-# 32 MiB (the heap's size in mallinfo2().arena does not shrink) where its 128 KiB default trims it
+# a small policy's warm start after limit_malloc: outside it a 1.5 MiB block is mapped and glibc trims a freed heap
+# top (the heap's size in mallinfo2().arena shrinks); inside warm_start_phase the block and a 4 MiB one come from the
+# heap and a freed 32 MiB top stays; after it the block is mapped again and the phase's freed heap was returned
 TUNE = textwrap.dedent(
     """
     import ctypes, json, sys
@@ -87,9 +88,19 @@ TUNE = textwrap.dedent(
     out = {}
     memory.limit_malloc()
     out["small"] = memory.tune_for_policy(int(sys.argv[1]))
-    out["maps_4mib"] = mapped_by_malloc(4 << 20)
-    out["maps_16mib"] = mapped_by_malloc(16 << 20)
+    out["maps_1_5mib"] = mapped_by_malloc(3 << 19)
     out["keeps_heap_top"] = heap_kept_after_free(32 << 20)
+    libc.malloc_trim(0)  # an empty heap top: whether a block is mapped is the threshold's decision
+    with memory.warm_start_phase() as phase:
+        out["phase"] = phase
+        out["phase_settings"] = memory.malloc_settings()
+        out["phase_maps_1_5mib"] = mapped_by_malloc(3 << 19)
+        out["phase_maps_4mib"] = mapped_by_malloc(4 << 20)
+        out["phase_keeps_heap_top"] = heap_kept_after_free(32 << 20)
+        out["phase_heap"] = libc.mallinfo2().arena
+    out["after_phase"] = memory.malloc_settings()
+    out["after_phase_maps_1_5mib"] = mapped_by_malloc(3 << 19)
+    out["after_phase_heap"] = libc.mallinfo2().arena
     print(json.dumps(out))
     """
 )
@@ -126,26 +137,36 @@ def test_a_users_arena_cap_leaves_the_threshold_alone() -> None:
     assert out["start_maps_2mib"] is True  # glibc's own start threshold: 128 KiB
 
 
-def test_a_small_policy_keeps_its_step_tensors_in_the_heap() -> None:
-    """The tiny calc policy (3.2M parameters): 4 MiB blocks come from the heap and a freed 32 MiB heap top stays
-    (no page faults when the next step allocates them again); 16 MiB blocks are still mapped."""
+def test_a_small_policy_warm_starts_with_its_step_tensors_in_the_heap() -> None:
+    """The tiny calc policy (3.2M parameters): in the warm start 1.5 and 4 MiB blocks come from the heap and a freed
+    32 MiB heap top stays (no page faults when the next step allocates them again); before and after it the
+    1 MiB threshold and glibc's trim threshold hold, and the phase's free heap is given back at its end."""
     out = _probe("3200000", code=TUNE)
-    assert out["small"] == {"mmap_threshold": 8 << 20, "trim_threshold": 64 << 20}
-    assert out["maps_4mib"] is False
-    assert out["maps_16mib"] is True
-    assert out["keeps_heap_top"] is True
+    one_mib = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None}
+    assert out["small"] == {**one_mib, "warm_start": None}
+    assert out["maps_1_5mib"] is True
+    assert out["keeps_heap_top"] is False
+    assert out["phase"] == 8 << 20
+    warm = {"mmap_threshold": 8 << 20, "trim_threshold": 64 << 20}
+    assert out["phase_settings"] == {**warm, "warm_start": warm}
+    assert out["phase_maps_1_5mib"] is False and out["phase_maps_4mib"] is False
+    assert out["phase_keeps_heap_top"] is True
+    assert out["after_phase"] == {**one_mib, "warm_start": warm}
+    assert out["after_phase_maps_1_5mib"] is True
+    # malloc_trim gave the freed 32 MiB back: the heap shrank below what the phase left it at
+    assert out["after_phase_heap"] <= out["phase_heap"] - (16 << 20), (out["phase_heap"], out["after_phase_heap"])
 
 
 def test_a_large_policy_keeps_one_mib() -> None:
     out = _probe("135000000", code=TUNE)  # SmolLM2-135M
-    assert out["small"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None}
-    assert out["maps_4mib"] is True
-    assert out["keeps_heap_top"] is False  # glibc's own trim threshold (128 KiB once a threshold is fixed)
+    assert out["small"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "warm_start": None}
+    assert out["phase"] is None and out["phase_maps_1_5mib"] is True
+    assert out["phase_keeps_heap_top"] is False
 
 
 def test_a_users_settings_are_not_tuned() -> None:
     out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2")
-    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None}
+    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None, "warm_start": None}
+    assert out["phase"] is None
     out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
-    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None}
-    assert out["maps_4mib"] is True
+    assert out["phase"] is None and out["phase_maps_1_5mib"] is True
