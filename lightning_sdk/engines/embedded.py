@@ -605,8 +605,7 @@ class EmbeddedEngine(Engine):
                 # its group's other rollouts start with this prompt, and other prompts with its head (system prompt,
                 # tools): keep it (the cache indexes its prefixes at multiples of PREFIX_CHUNK tokens)
                 start = total - len(r.input_ids)
-                row = [(k[i, :, start:].clone(), v[i, :, start:].clone()) for k, v in kv]
-                self.prefix_cache.put(r.input_ids, row, r.adapter)
+                self.prefix_cache.put(r.input_ids, _row_copy(kv, i, start), r.adapter)
         batch.merge(admit, kv, mask.to(dev), torch.tensor([len(r.input_ids) for r in admit], device=dev), logits)
         self.stats["max_batch"] = max(self.stats["max_batch"], len(batch.rows))
 
@@ -677,8 +676,7 @@ class EmbeddedEngine(Engine):
                 step_tokens[j], attend[j] = tokens[i], 1
             elif self.prefix_cache is not None:  # its KV: prompt + completion but the last token (never run)
                 n = len(req.input_ids) + len(req.ids) - 1
-                kv = [(k[j, :, -n:].clone(), v[j, :, -n:].clone()) for k, v in batch.kv()]
-                self.prefix_cache.put(req.input_ids + req.ids[:-1], kv, req.adapter)
+                self.prefix_cache.put(req.input_ids + req.ids[:-1], _row_copy(batch.kv(), j, -n), req.adapter)
             req.deliver(final=req.finish_reason is not None)
         alive = [j for j in range(len(batch.rows)) if attend[j]]
         if not alive:
@@ -945,6 +943,17 @@ def _room_cache(*parts: _KV, width: int | None = None) -> DynamicCache:
     cache = DynamicCache()
     cache.layers = layers  # type: ignore[assignment]
     return cache
+
+
+def _row_copy(kv: _KV, row: int, start: int) -> _KV:
+    """Row ``row``'s keys and values from column ``start`` on, every layer, in two copies: the keys of all layers
+    stacked ([layers, heads, tokens, dim]) and the values, handed out as per-layer views. The prefix cache keeps
+    every finished row; a ``clone`` per layer's keys and per layer's values was eight operations a row on the tiny
+    policy, each giving up and taking back the interpreter lock, and in the main job's engine thread they took as
+    many samples as the decode steps' sampling and compaction together (py-spy, issue 25)."""
+    keys = torch.stack([k[row, :, start:] for k, _ in kv])
+    values = torch.stack([v[row, :, start:] for _, v in kv])
+    return [(keys[i], values[i]) for i in range(len(kv))]
 
 
 def _cache_kv(cache: DynamicCache) -> _KV:

@@ -50,7 +50,7 @@ def _recv(conn: Connection) -> Any:
 
 def _serve(conn: Connection, model_dir: str, config: dict[str, Any], pad_id: int) -> None:
     """The child: build the learner, then answer requests until ``close`` or the parent's end of the pipe closes."""
-    from lightning_sdk.memory import limit_malloc, tune_for_policy
+    from lightning_sdk.memory import limit_malloc
 
     limit_malloc()
     import torch
@@ -60,7 +60,6 @@ def _serve(conn: Connection, model_dir: str, config: dict[str, Any], pad_id: int
 
     try:
         model, _ = load_policy(model_dir)
-        tune_for_policy(sum(p.numel() for p in model.parameters()))
         learner = Learner(model, LearnerConfig.model_validate(config), pad_id=pad_id)
     except BaseException as exc:  # the parent's start-up call hears why
         _send(conn, (False, _portable(exc)))

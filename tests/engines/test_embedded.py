@@ -250,6 +250,44 @@ async def test_prefix_cache_gives_the_logprobs_of_a_cold_prefill(engine: Embedde
         await cold.close()
 
 
+async def test_a_finished_rows_cached_kv_is_one_copy_for_all_layers(engine: EmbeddedEngine, policy_dir: Path) -> None:
+    """The prefix cache's entry for a finished row (prompt + completion but its last token) holds the keys/values a
+    plain forward pass computes, and all layers' keys are views of one copy (as are the values): two operations a
+    row, not one per layer's keys and one per layer's values."""
+    model, _ = load_policy(policy_dir)
+    prompt = _prompt(engine, "What is 6 times 7?")
+    gen = await engine.generate(prompt, Sampling(max_tokens=6, temperature=1.0, seed=9))
+    ids = prompt + gen.completion_ids[:-1]
+    assert engine.prefix_cache is not None
+    n, kv = engine.prefix_cache.peek(ids)
+    assert n == len(ids) and kv is not None and len(kv) == model.config.num_hidden_layers
+    assert len({k.untyped_storage().data_ptr() for k, _ in kv}) == 1
+    assert len({v.untyped_storage().data_ptr() for _, v in kv}) == 1
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+    for (k, v), layer in zip(kv, ref.layers, strict=True):
+        assert torch.allclose(k, layer.keys[0], atol=1e-5) and torch.allclose(v, layer.values[0], atol=1e-5)
+
+
+async def test_the_prefix_cache_size_comes_from_the_engine_config(policy_dir: Path) -> None:
+    """``[engine] prefix_cache_tokens``: the embedded engine's cache holds at most that many tokens (0: no cache)."""
+    from lightning_sdk.engines.serving import EngineConfig, open_engine
+
+    model, tokenizer = load_policy(policy_dir)
+    small = open_engine(EngineConfig(prefix_cache_tokens=40), model, tokenizer, policy_dir)
+    off = open_engine(EngineConfig(prefix_cache_tokens=0), model, tokenizer, policy_dir)
+    try:
+        assert isinstance(small, EmbeddedEngine) and isinstance(off, EmbeddedEngine)
+        assert small.prefix_cache is not None and small.prefix_cache.max_tokens == 40
+        assert off.prefix_cache is None
+        for q in ("What is 1 plus 2?", "Add 34 and 5.", "Multiply 7 by 8, please now."):
+            await small.generate(_prompt(small, q), Sampling(max_tokens=8, temperature=0.0))
+        assert 0 < small.prefix_cache.tokens <= 40
+    finally:
+        await small.close()
+        await off.close()
+
+
 async def test_weight_swap_empties_the_prefix_cache(engine: EmbeddedEngine) -> None:
     """KV computed by old weights is never reused after a swap: the next turn prefills in full, on the new weights."""
     first = _prompt(engine, "Add 12 and 30.")
