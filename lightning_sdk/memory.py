@@ -23,8 +23,9 @@ page and unmapped: 20 million page faults in two minutes of ``lightning-sdk trai
 of the process's CPU time spent in the kernel (47 of 178 s). Measured on that job (2-core Xeon, 2026-12-06, issue
 25; docs/development.md, thirteenth round):
 
-- during a small policy's supervised warm start (``warm_start_phase``; a policy under ``SMALL_POLICY_PARAMETERS``,
-  marked by ``tune_for_policy``) the threshold is ``WARM_START_MMAP_THRESHOLD`` (8 MiB) and glibc keeps up to
+- with ``LIGHTNING_SDK_WARM_START_MALLOC=1`` in the environment (off by default: see the RSS below), during a small
+  policy's supervised warm start (``warm_start_phase``; a policy under ``SMALL_POLICY_PARAMETERS``, marked by
+  ``tune_for_policy``) the threshold is ``WARM_START_MMAP_THRESHOLD`` (8 MiB) and glibc keeps up to
   ``WARM_START_TRIM_THRESHOLD`` (64 MiB) of free heap before giving it back (``M_TRIM_THRESHOLD``; its 128 KiB
   default once a threshold is fixed returned and re-faulted the heap's top at every step): a step's activations for
   32 demonstrations are 2-8 MiB each, and kept in the heap the warm start's 42 steps took 22-31 s instead of 44-50 s
@@ -32,6 +33,10 @@ of the process's CPU time spent in the kernel (47 of 178 s). Measured on that jo
 - not in RL: there the same blocks, kept beside the engine's long-lived prefix-cache entries, fragment the heap, and
   whole runs at 8 MiB peaked at 1.48-1.57 GB RSS (1.21-1.28 GB at 1 MiB) for RL steps only ~10% faster. At the warm
   start's end the thresholds go back to 1 MiB and glibc's default, and the free heap is returned (``malloc_trim``).
+  Even so the heap the warm start left behind makes RL's small blocks land on pages all over it: whole runs with the
+  phase peaked at 1,453-1,531 MB (1,201-1,307 MB without), over the main job's 1.5 GB budget in two of four, while
+  their time to +30 (176-195 s) was no better than without (155-200 s: the faster steps needed more of them). Hence
+  opt-in, for a machine with memory to spare.
 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the environment always win (glibc
 reads them at start; nothing here overrides them).
@@ -50,6 +55,7 @@ __all__ = [
     "MMAP_THRESHOLD",
     "SMALL_POLICY_PARAMETERS",
     "WARM_START_MMAP_THRESHOLD",
+    "WARM_START_SWITCH",
     "WARM_START_TRIM_THRESHOLD",
     "limit_malloc",
     "malloc_settings",
@@ -72,6 +78,9 @@ WARM_START_MMAP_THRESHOLD = 8 << 20
 
 WARM_START_TRIM_THRESHOLD = 64 << 20
 """64 MiB of free heap top kept (per arena) during a small policy's warm start."""
+
+WARM_START_SWITCH = "LIGHTNING_SDK_WARM_START_MALLOC"
+"""The environment variable that turns ``warm_start_phase`` on ("1"); off by default (peak RSS, see above)."""
 
 GLIBC_TRIM_THRESHOLD = 128 << 10
 """glibc's own trim threshold (128 KiB), put back after the warm start."""
@@ -134,13 +143,14 @@ def tune_for_policy(parameters: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def warm_start_phase() -> Iterator[int | None]:
-    """Around a small policy's supervised warm start: the mmap threshold at ``WARM_START_MMAP_THRESHOLD`` and the
-    trim threshold at ``WARM_START_TRIM_THRESHOLD`` (unless the user set ``MALLOC_TRIM_THRESHOLD_``), then both back
-    (the threshold to what it was, the trim threshold to glibc's 128 KiB) and the free heap returned to the kernel
-    (``malloc_trim``). Yields the threshold in force (None: nothing changed: not a small policy, or the user's own
-    settings)."""
+    """With ``LIGHTNING_SDK_WARM_START_MALLOC=1``, around a small policy's supervised warm start: the mmap threshold
+    at ``WARM_START_MMAP_THRESHOLD`` and the trim threshold at ``WARM_START_TRIM_THRESHOLD`` (unless the user set
+    ``MALLOC_TRIM_THRESHOLD_``), then both back (the threshold to what it was, the trim threshold to glibc's 128 KiB)
+    and the free heap returned to the kernel (``malloc_trim``). Yields the threshold in force (None: nothing changed:
+    not a small policy, the user's own settings, or the switch off)."""
     before = _state["threshold"]
-    if not _small["policy"] or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
+    wanted = os.environ.get(WARM_START_SWITCH, "") == "1"
+    if not wanted or not _small["policy"] or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
         yield None
         return
     trimmed = set_trim_threshold(WARM_START_TRIM_THRESHOLD)

@@ -107,7 +107,9 @@ TUNE = textwrap.dedent(
 
 
 def _probe(*args: str, code: str = PROBE, **env: str) -> dict[str, object]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LIGHTNING_SDK_WARM_START_MALLOC"
+    }
     out = subprocess.run(
         [sys.executable, "-c", code, *args], env={**clean, **env}, capture_output=True, text=True, timeout=60,
         check=True,
@@ -141,7 +143,7 @@ def test_a_small_policy_warm_starts_with_its_step_tensors_in_the_heap() -> None:
     """The tiny calc policy (3.2M parameters): in the warm start 1.5 and 4 MiB blocks come from the heap and a freed
     32 MiB heap top stays (no page faults when the next step allocates them again); before and after it the
     1 MiB threshold and glibc's trim threshold hold, and the phase's free heap is given back at its end."""
-    out = _probe("3200000", code=TUNE)
+    out = _probe("3200000", code=TUNE, LIGHTNING_SDK_WARM_START_MALLOC="1")
     one_mib = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None}
     assert out["small"] == {**one_mib, "warm_start": None}
     assert out["maps_1_5mib"] is True
@@ -157,16 +159,23 @@ def test_a_small_policy_warm_starts_with_its_step_tensors_in_the_heap() -> None:
     assert out["after_phase_heap"] <= out["phase_heap"] - (16 << 20), (out["phase_heap"], out["after_phase_heap"])
 
 
+def test_the_warm_start_phase_is_off_unless_asked() -> None:
+    """Off by default (the main job's peak RSS): the small policy's warm start keeps 1 MiB and glibc's trim."""
+    out = _probe("3200000", code=TUNE)
+    assert out["phase"] is None and out["phase_maps_1_5mib"] is True and out["phase_keeps_heap_top"] is False
+    assert out["after_phase"]["warm_start"] is None
+
+
 def test_a_large_policy_keeps_one_mib() -> None:
-    out = _probe("135000000", code=TUNE)  # SmolLM2-135M
+    out = _probe("135000000", code=TUNE, LIGHTNING_SDK_WARM_START_MALLOC="1")  # SmolLM2-135M
     assert out["small"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "warm_start": None}
     assert out["phase"] is None and out["phase_maps_1_5mib"] is True
     assert out["phase_keeps_heap_top"] is False
 
 
 def test_a_users_settings_are_not_tuned() -> None:
-    out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2")
+    out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2", LIGHTNING_SDK_WARM_START_MALLOC="1")
     assert out["small"] == {"mmap_threshold": None, "trim_threshold": None, "warm_start": None}
     assert out["phase"] is None
-    out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20), LIGHTNING_SDK_WARM_START_MALLOC="1")
     assert out["phase"] is None and out["phase_maps_1_5mib"] is True
