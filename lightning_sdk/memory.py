@@ -103,16 +103,21 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def _set(option: int, env: str, key: str, nbytes: int) -> bool:
+    """``mallopt(option, nbytes)`` unless the user set ``env``; remembers it as ``_state[key]``."""
+    if env in os.environ:
+        return False
+    libc = _libc()
+    if libc is None or libc.mallopt(option, int(nbytes)) != 1:
+        return False
+    _state[key] = int(nbytes)
+    return True
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold at ``nbytes`` for this process; False where there is no glibc to tell or the user
     chose one (``MALLOC_MMAP_THRESHOLD_``)."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    libc = _libc()
-    if libc is None or libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
-        return False
-    _state["threshold"] = int(nbytes)
-    return True
+    return _set(_M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", "threshold", nbytes)
 
 
 def mmap_threshold() -> int | None:
@@ -123,13 +128,7 @@ def mmap_threshold() -> int | None:
 def set_trim_threshold(nbytes: int) -> bool:
     """Let glibc keep up to ``nbytes`` of free memory at the top of each heap before returning it to the kernel;
     False where there is no glibc to tell or the user chose one (``MALLOC_TRIM_THRESHOLD_``)."""
-    if "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    libc = _libc()
-    if libc is None or libc.mallopt(_M_TRIM_THRESHOLD, int(nbytes)) != 1:
-        return False
-    _state["trim"] = int(nbytes)
-    return True
+    return _set(_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", "trim", nbytes)
 
 
 def tune_for_policy(parameters: int) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from lightning_sdk.memory import MMAP_THRESHOLD
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 
-PROBE = textwrap.dedent(
+# both probes: glibc's own count of mapped blocks (mallinfo2().hblks) around a real malloc
+HEADER = textwrap.dedent(
     """
     import ctypes, json, sys
     from lightning_sdk import memory
@@ -39,6 +40,11 @@ PROBE = textwrap.dedent(
         after = libc.mallinfo2().hblks
         libc.free(p)
         return after > before
+    """
+)
+
+PROBE = HEADER + textwrap.dedent(
+    """
 
     out = {}
     memory.limit_malloc()
@@ -55,26 +61,8 @@ PROBE = textwrap.dedent(
 # a small policy's warm start after limit_malloc: outside it a 1.5 MiB block is mapped and glibc trims a freed heap
 # top (the heap's size in mallinfo2().arena shrinks); inside warm_start_phase the block and a 4 MiB one come from the
 # heap and a freed 32 MiB top stays; after it the block is mapped again and the phase's freed heap was returned
-TUNE = textwrap.dedent(
+TUNE = HEADER + textwrap.dedent(
     """
-    import ctypes, json, sys
-    from lightning_sdk import memory
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-
-    def mapped_by_malloc(nbytes):
-        before = libc.mallinfo2().hblks
-        p = libc.malloc(nbytes)
-        after = libc.mallinfo2().hblks
-        libc.free(p)
-        return after > before
 
     def heap_kept_after_free(nbytes):
         # 512 KiB blocks (below either threshold: from the heap), freed in reverse order: the heap's top is free
