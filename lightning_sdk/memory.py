@@ -49,6 +49,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -89,9 +90,18 @@ _M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 _M_ARENA_MAX = -8
 _M_MMAP_THRESHOLD = -3
 
-_state: dict[str, int | None] = {"threshold": None, "trim": None}  # what this module set (None: never set)
-_small: dict[str, bool] = {"policy": False}  # tune_for_policy found a small policy
-_warm: dict[str, dict[str, int | None] | None] = {"last": None}  # the last warm_start_phase's settings
+
+@dataclass
+class _Settings:
+    """What this module set in this process (None: never set)."""
+
+    threshold: int | None = None
+    trim: int | None = None
+    small_policy: bool = False  # tune_for_policy found a small policy
+    warm_start: dict[str, int | None] | None = None  # the last warm_start_phase's thresholds
+
+
+_state = _Settings()
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -104,13 +114,13 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def _set(option: int, env: str, key: str, nbytes: int) -> bool:
-    """``mallopt(option, nbytes)`` unless the user set ``env``; remembers it as ``_state[key]``."""
+    """``mallopt(option, nbytes)`` unless the user set ``env``; remembers it as ``_state.<key>``."""
     if env in os.environ:
         return False
     libc = _libc()
     if libc is None or libc.mallopt(option, int(nbytes)) != 1:
         return False
-    _state[key] = int(nbytes)
+    setattr(_state, key, int(nbytes))
     return True
 
 
@@ -122,7 +132,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 def mmap_threshold() -> int | None:
     """The threshold this module last set (None: it never set one)."""
-    return _state["threshold"]
+    return _state.threshold
 
 
 def set_trim_threshold(nbytes: int) -> bool:
@@ -136,7 +146,7 @@ def tune_for_policy(parameters: int) -> dict[str, Any]:
     warm start runs under ``warm_start_phase``'s settings. Only a process whose threshold ``limit_malloc`` fixed at
     start is tuned: where the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_ARENA_MAX``, or nothing called
     ``limit_malloc`` (a library use), malloc stays as it is. Returns ``malloc_settings()``."""
-    _small["policy"] = _state["threshold"] is not None and 0 < parameters < SMALL_POLICY_PARAMETERS
+    _state.small_policy = _state.threshold is not None and 0 < parameters < SMALL_POLICY_PARAMETERS
     return malloc_settings()
 
 
@@ -147,20 +157,20 @@ def warm_start_phase() -> Iterator[int | None]:
     ``MALLOC_TRIM_THRESHOLD_``), then both back (the threshold to what it was, the trim threshold to glibc's 128 KiB)
     and the free heap returned to the kernel (``malloc_trim``). Yields the threshold in force (None: nothing changed:
     not a small policy, the user's own settings, or the switch off)."""
-    before = _state["threshold"]
+    before = _state.threshold
     wanted = os.environ.get(WARM_START_SWITCH, "") == "1"
-    if not wanted or not _small["policy"] or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
+    if not wanted or not _state.small_policy or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
         yield None
         return
     trimmed = set_trim_threshold(WARM_START_TRIM_THRESHOLD)
-    _warm["last"] = {"mmap_threshold": WARM_START_MMAP_THRESHOLD, "trim_threshold": _state["trim"]}
+    _state.warm_start = {"mmap_threshold": WARM_START_MMAP_THRESHOLD, "trim_threshold": _state.trim}
     try:
         yield WARM_START_MMAP_THRESHOLD
     finally:
         set_mmap_threshold(before)
         if trimmed:
             set_trim_threshold(GLIBC_TRIM_THRESHOLD)
-            _state["trim"] = None  # glibc's own again
+            _state.trim = None  # glibc's own again
         libc = _libc()
         if libc is not None:
             libc.malloc_trim(0)
@@ -170,7 +180,7 @@ def malloc_settings() -> dict[str, Any]:
     """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes now (None: left to glibc or the
     environment) and ``warm_start``, those of the last ``warm_start_phase`` (None: it changed nothing);
     ``summary.json`` records it."""
-    return {"mmap_threshold": _state["threshold"], "trim_threshold": _state["trim"], "warm_start": _warm["last"]}
+    return {"mmap_threshold": _state.threshold, "trim_threshold": _state.trim, "warm_start": _state.warm_start}
 
 
 def limit_malloc(arenas: int = 2) -> None:
