@@ -116,6 +116,24 @@ def test_room_cache_stacks_left_padded_parts_and_grows_in_place() -> None:
     assert torch.equal(got_k, torch.cat([expected_k[[0, 2]], k], dim=2))
 
 
+def test_room_cache_gathers_picked_rows_into_place() -> None:
+    """``rows`` picks a part's rows (compaction keeps the live rows of a cache view, twins take one prefill row
+    each): the buffer holds exactly what indexing first and stacking after would, left padding zeros."""
+    from lightning_sdk.engines.embedded import _room_cache
+
+    g = torch.Generator().manual_seed(1)
+    a = [(torch.randn(4, 3, 9, 4, generator=g), torch.randn(4, 3, 9, 4, generator=g)) for _ in range(2)]
+    view = [(k[:, :, 3:], v[:, :, 3:]) for k, v in a]  # the columns still used: a view, as _Batch._take gives
+    b = [(torch.randn(2, 3, 4, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)) for _ in range(2)]
+    keep, twins = torch.tensor([3, 0]), torch.tensor([1, 1, 0])
+    cache = _room_cache(view, b, width=6, rows=[keep, twins])
+    for layer, (ka, va), (kb, vb) in zip(cache.layers, view, b, strict=True):
+        assert layer.keys.shape == (5, 3, 6, 4)
+        assert torch.equal(layer.keys[:2], ka[keep]) and torch.equal(layer.values[:2], va[keep])
+        assert torch.equal(layer.keys[2:, :, :2], torch.zeros(3, 3, 2, 4))
+        assert torch.equal(layer.keys[2:, :, 2:], kb[twins]) and torch.equal(layer.values[2:, :, 2:], vb[twins])
+
+
 async def test_concurrent_requests_share_batches(engine: EmbeddedEngine) -> None:
     prompt = _prompt(engine, "What is 3 times 4?")
     sampling = Sampling(max_tokens=8, temperature=1.0)
@@ -425,6 +443,27 @@ async def test_rows_admitted_together_prefill_their_shared_head_once(policy_dir:
         assert engine.stats["shared_head_tokens"] >= 192  # the head's whole chunks, once
         assert engine.stats["batches"] == 1
         assert engine.stats["reused_tokens"] >= 4 * 192
+        for prompt, gen in zip(prompts, gens, strict=True):
+            assert gen.logprobs == pytest.approx(_reference_logprobs(model, prompt, gen.completion_ids, 1.0), abs=2e-4)
+    finally:
+        await engine.close()
+
+
+async def test_identical_prompts_admitted_together_run_once_and_sample_apart(policy_dir: Path) -> None:
+    """A group's eight rollouts send the same first prompt at once, beside another task's two: the prefill runs
+    each distinct prompt once (``twin_tokens`` counts the rest), every row still samples on its own seed (the twins'
+    completions differ) and records the log-probs of a plain forward pass, and a twin's cache is its own (a twin
+    that stops early leaves the others exact)."""
+    model, _ = load_policy(policy_dir)
+    engine = EmbeddedEngine.from_pretrained(policy_dir, max_batch_size=64, prefix_cache=False)
+    try:
+        group, other = _prompt(engine, "What is 12 times 7?"), _prompt(engine, "Subtract 9 from 40.")
+        prompts = [group] * 8 + [other] * 2
+        samplings = [Sampling(max_tokens=4 + i, temperature=1.0, seed=i) for i in range(len(prompts))]
+        gens = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, samplings, strict=True)))
+        assert engine.stats["batches"] == 1 and engine.stats["max_batch"] == 10
+        assert engine.stats["twin_tokens"] == 7 * len(group) + len(other)
+        assert len({tuple(g.completion_ids) for g in gens[:8]}) > 1
         for prompt, gen in zip(prompts, gens, strict=True):
             assert gen.logprobs == pytest.approx(_reference_logprobs(model, prompt, gen.completion_ids, 1.0), abs=2e-4)
     finally:
