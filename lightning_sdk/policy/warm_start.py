@@ -9,14 +9,16 @@ the task, which is what RL is for.
 Only assistant turns are trained (the loss mask), each up to and including its end-of-turn token: the same tokens
 the policy will later sample.
 
-With ``share_prefix``, the head that a step's rows all start with (a coding CLI's system prompt and tool
-definitions: ~5.7k of ~5.7k+ tokens for Codex) runs once, without autograd, and each row's own tokens run after its
-keys/values: the loss is the whole-row loss, the gradient is the whole-row gradient with the head's keys/values held
-constant (the head is context, never trained).
+With ``share_prefix``, the head that a step's rows all start with (the system prompt and tools: 37 of the calc
+example's ~89 tokens, ~5.7k of ~5.7k+ for Codex) runs once and each row's own tokens run after its keys/values: the
+loss is the whole-row loss; with ``prefix_grad`` (the default) the gradient is the whole-row gradient too, without it
+the head runs without autograd and its keys/values are held constant (the head is context, never trained: what a
+multi-thousand-token head needs for memory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -69,13 +71,19 @@ class WarmStartConfig(BaseModel):
     share_prefix: int = Field(
         0,
         ge=0,
-        description="when a step's rows all start with the same N or more tokens (a coding CLI's system prompt and "
-        "tools), their longest common prefix, cut before the first trained token's prediction, runs once under "
-        "no_grad and only each row's own tokens run with gradients, after its keys/values: the same loss, the "
-        "gradient with the prefix's keys/values held constant (the prompt is context, never trained; with LoRA, "
-        "the gradient through how the adapter changes the prompt's keys/values is dropped), and none of the "
-        "prefix's activations kept. For multi-thousand-token shared prompts, where the whole-row step's time and "
-        "memory are the prefix's; 0: off",
+        description="when a step's rows all start with the same N or more tokens (a system prompt and tools), their "
+        "longest common prefix, cut before the first trained token's prediction, runs once and its keys/values "
+        "serve every row's own tokens: the same loss and, with prefix_grad, the same gradient as whole rows at a "
+        "fraction of the tokens (the calc example's rows share 37 of ~89 tokens); 0: off",
+    )
+    prefix_grad: bool = Field(
+        True,
+        description="with share_prefix: the gradient also flows through the shared prefix's keys/values (the exact "
+        "whole-row gradient, the prefix's activations kept once for the backward pass). False runs the prefix under "
+        "no_grad as constant context: the gradient with its keys/values held constant (the prompt is never trained; "
+        "with LoRA, the gradient through how the adapter changes the prompt's keys/values is dropped) and none of its "
+        "activations kept: for multi-thousand-token shared prompts (a coding CLI's), where the whole-row step's time "
+        "and memory are the prefix's",
     )
     precision: Precision = Field(
         "fp32",
@@ -93,7 +101,7 @@ class WarmStartResult:
     wall_s: float
     stopped: bool = False  # ``should_stop`` ended it before the target or ``max_steps``
     threads: list[tuple[int, int]] = field(default_factory=list)  # (from step, threads) each time the choice moved
-    shared_prefix: int = 0  # tokens the last step's rows shared and ran once under no_grad (share_prefix; 0: none)
+    shared_prefix: int = 0  # tokens the last step's rows shared and ran once (share_prefix; 0: none)
 
 
 class ThreadChoice:
@@ -280,9 +288,10 @@ def warm_start(
             choice.observe(step, n_threads, time.perf_counter() - t_step, tokens)
             if step == 0 and (cfg.share_prefix or bf16):
                 logger.info(
-                    "warm start: %d-token shared prefix run once without gradients (share_prefix %d, longest row %d)"
-                    "; %s forward passes",
+                    "warm start: %d-token shared prefix run once %s (share_prefix %d, longest row %d); %s forward "
+                    "passes",
                     shared,
+                    "with gradients" if cfg.prefix_grad else "without gradients",
                     cfg.share_prefix,
                     max(len(ids) for ids, _ in rows),
                     "bf16" if bf16 else "fp32",
@@ -327,7 +336,7 @@ def _supervised_step(
     chosen = rng.sample(rows, min(cfg.batch_size, len(rows)))
     prefix = _shared_prefix(chosen, cfg.share_prefix)
     with autocast(bf16, device):
-        loss, tokens = _batch_loss(model, chosen, pad, device, prefix)
+        loss, tokens = _batch_loss(model, chosen, pad, device, prefix, cfg.prefix_grad)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -365,14 +374,17 @@ def _batch_loss(
     pad: int,
     device: torch.device,
     prefix: int = 0,
+    prefix_grad: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """The mean loss over the trained tokens of ``chosen`` (right-padded rows) and the tokens it ran.
 
-    ``prefix > 0`` (``_shared_prefix``): the rows' common first ``prefix`` tokens run once (one row) under
-    ``torch.no_grad()`` with the cache on; the cache, repeated for every row (``batch_repeat_interleave``, as the
-    learner's shared prefix), is the past of the rows' own right-padded tokens, which run with gradients, their
-    positions continuing after the prefix. The loss equals the whole rows' (the prefix holds no prediction of a
-    trained token); the gradient is the whole rows' with the prefix's keys/values held constant."""
+    ``prefix > 0`` (``_shared_prefix``): the rows' common first ``prefix`` tokens run once (one row) with the cache
+    on; the cache, repeated for every row (``batch_repeat_interleave``, as the learner's shared prefix), is the past
+    of the rows' own right-padded tokens, which run with gradients, their positions continuing after the prefix. The
+    loss equals the whole rows' (the prefix holds no prediction of a trained token). With ``prefix_grad`` the
+    prefix runs with autograd and the repeated keys/values stay in the graph: the gradient is the whole rows' (each
+    row's share of the prefix's gradient summed through the repeat); without it the prefix runs under
+    ``torch.no_grad()`` and the gradient is the whole rows' with the prefix's keys/values held constant."""
     rows = len(chosen)
     width = max(len(ids) for ids, _ in chosen) - prefix
     ids_t = torch.full((rows, width), pad, dtype=torch.long)
@@ -387,7 +399,7 @@ def _batch_loss(
     if prefix == 0:
         out = model(input_ids=ids_t.to(device), attention_mask=attn.to(device), labels=labels.to(device))
         return out.loss, int(ids_t.numel())
-    with torch.no_grad():
+    with contextlib.nullcontext() if prefix_grad else torch.no_grad():
         head = model(input_ids=torch.tensor([chosen[0][0][:prefix]], device=device), use_cache=True, logits_to_keep=1)
     cache = head.past_key_values
     cache.batch_repeat_interleave(rows)

@@ -1,6 +1,7 @@
-"""The warm start's ``share_prefix`` (the rows' common head run once under no_grad, its keys/values the past of each
-row's own tokens) and ``precision``: the same loss as whole rows, the gradient with the head's keys/values held
-constant, whole rows where the rows share too little, and the head cut before the first trained token."""
+"""The warm start's ``share_prefix`` (the rows' common head run once, its keys/values the past of each row's own
+tokens) and ``precision``: the same loss as whole rows, the whole-row gradient with ``prefix_grad`` and the gradient
+with the head's keys/values held constant without it, whole rows where the rows share too little, and the head cut
+before the first trained token."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def _calc_rows(tokenizer: Any, n: int = 6) -> Rows:
     return rows
 
 
-def _step(model: torch.nn.Module, rows: Rows, share_prefix: int, pad: int) -> tuple[float, int, int]:
+def _step(
+    model: torch.nn.Module, rows: Rows, share_prefix: int, pad: int, prefix_grad: bool = False
+) -> tuple[float, int, int]:
     """``_supervised_step`` on all of ``rows`` (a fixed seed: the same order every call) with an optimizer that does
     not move the weights and a clip that never acts, so the gradients stay in ``.grad`` as computed."""
-    cfg = WarmStartConfig(batch_size=len(rows), grad_clip=1e9, share_prefix=share_prefix)
+    cfg = WarmStartConfig(batch_size=len(rows), grad_clip=1e9, share_prefix=share_prefix, prefix_grad=prefix_grad)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
     return _supervised_step(model, optimizer, scheduler, rows, random.Random(0), cfg, pad, CPU)  # type: ignore[arg-type]
@@ -104,6 +107,30 @@ def test_shared_prefix_gives_the_whole_row_loss_and_the_constant_context_gradien
     # and that is not the whole-row gradient: the prefix's keys/values are not trained
     diff = float((_flat(on) - _flat(off)).norm() / _flat(off).norm())
     assert diff > 1e-3, diff
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_shared_prefix_with_prefix_grad_gives_the_whole_row_gradient(policy_dir: Path, kind: str) -> None:
+    """``prefix_grad`` (the default): the head runs once with autograd and its repeated keys/values stay in the
+    graph, so the step's loss and gradient are the whole rows' (LoRA: the adapter's gradient through the head too),
+    at ``prefix + rows x (width - prefix)`` tokens instead of ``rows x width``."""
+    model, tokenizer = load_policy(policy_dir)
+    if kind == "lora":
+        model = lora_tiny(model)
+    pad = int(tokenizer.pad_token_id)
+    rows = _calc_rows(tokenizer)
+    prefix = _shared_prefix(random.Random(0).sample(rows, len(rows)), 8)
+    assert prefix > 8
+    whole_model, shared_model = copy.deepcopy(model), copy.deepcopy(model)
+    whole_loss, whole_tokens, _ = _step(whole_model, rows, 0, pad)
+    shared_loss, shared_tokens, shared = _step(shared_model, rows, 8, pad, prefix_grad=True)
+    assert shared == prefix and shared_tokens == whole_tokens - (len(rows) - 1) * prefix
+    assert shared_loss == pytest.approx(whole_loss, abs=1e-5)
+    whole, with_head = grads(whole_model), grads(shared_model)
+    assert whole.keys() == with_head.keys()
+    for name in whole:
+        assert torch.allclose(with_head[name], whole[name], atol=1e-5, rtol=1e-4), name
+    assert WarmStartConfig().prefix_grad  # the exact path is the default
 
 
 def test_rows_that_share_fewer_than_share_prefix_tokens_run_whole_rows(policy_dir: Path) -> None:
