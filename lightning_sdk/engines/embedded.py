@@ -553,14 +553,11 @@ class EmbeddedEngine(Engine):
         return len(self._pending) * 2 >= batch.live or waited >= self.ADMIT_AFTER_STEPS
 
     def _prefill(self, batch: _Batch, admit: list[_Request]) -> None:
-        """Run the new rows' prompts (past the cached prefix of each) and merge them into the running batch.
-
-        Every row's tokens stay contiguous in the cache (its columns run from its first token to the last column):
-        the new parts all get the width of the longest one, and a row whose cached prefix leaves a shorter new part
-        reuses less of it (runs a few cached tokens again) instead of leaving a hole.
-        """
+        """Run the new rows' prompts (past the cached prefix of each, each distinct prompt once) and merge them into
+        the running batch."""
         self.stats["batches"] += 1
         self.stats["requests"] += len(admit)
+        self.stats["prompt_tokens"] += sum(len(r.input_ids) for r in admit)
         # identical prompts admitted together run once: a group's rollouts send the same first prompt at the same
         # moment, and its rows would each compute it (same keys/values, same logits; each row samples on its own)
         index: dict[tuple[str | None, tuple[int, ...]], int] = {}
@@ -572,7 +569,6 @@ class EmbeddedEngine(Engine):
                 index[key] = len(runs)
                 runs.append(req)
             else:
-                self.stats["prompt_tokens"] += len(req.input_ids)
                 self.stats["twin_tokens"] += len(req.input_ids)
             twins.append(index[key])
         kv, mask, logits = self._prefill_rows(runs)
@@ -588,7 +584,11 @@ class EmbeddedEngine(Engine):
 
     def _prefill_rows(self, admit: list[_Request]) -> tuple[_KV, torch.Tensor, torch.Tensor]:
         """One forward pass over the prompts of ``admit`` (past their cached prefixes): their keys/values, attention
-        mask (rows right-aligned) and next-token logits; each prompt long enough goes into the prefix cache."""
+        mask (rows right-aligned) and next-token logits; each prompt long enough goes into the prefix cache.
+
+        Every row's tokens stay contiguous in the cache (its columns run from its first token to the last column):
+        the new parts all get the width of the longest one, and a row whose cached prefix leaves a shorter new part
+        reuses less of it (runs a few cached tokens again) instead of leaving a hole."""
         if self.prefix_cache is not None and len(admit) > 1:
             self._prefill_shared_heads(admit)
         past: list[_KV | None] = []
@@ -600,7 +600,6 @@ class EmbeddedEngine(Engine):
         width_new = max(len(r.input_ids) - n for r, n in zip(admit, hits, strict=True))
         for req in admit:
             req.reused = max(0, len(req.input_ids) - width_new)
-            self.stats["prompt_tokens"] += len(req.input_ids)
             self.stats["reused_tokens"] += req.reused
         width_past = max(r.reused for r in admit)
         total = width_past + width_new
