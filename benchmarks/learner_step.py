@@ -14,7 +14,9 @@ hits them alike and torch's per-thread settings do not leak):
 
 - ``whole``: every row computed whole (``share_prefix = 0``);
 - ``separate``: the shared prompt, pi_old from a separate no-grad pass (the code before ``reuse_first_pass``);
-- ``default``: ``LearnerConfig()``'s defaults;
+- ``default``: ``LearnerConfig()``'s defaults (packed rows where the model supports them);
+- ``padded`` / ``padbf16`` / ``padt1``: the defaults with ``pack = false`` (the padded rows before packing; fp32,
+  bf16, one thread);
 - ``bf16``: the defaults with ``precision = "bf16"`` (autocast);
 - ``t1`` / ``t2``: the defaults with ``threads = 1`` / ``2``; ``bf16t1``: bf16 on one thread;
 - ``fused``: the defaults with torch's fused AdamW kernel (``fused=True``) instead of its per-tensor loop;
@@ -57,6 +59,9 @@ MODES: dict[str, dict[str, Any]] = {
     "whole": {"share_prefix": 0, "reuse_first_pass": False, "precision": "fp32"},
     "separate": {"reuse_first_pass": False, "precision": "fp32"},
     "default": {},
+    "padded": {"pack": False},
+    "padbf16": {"pack": False, "precision": "bf16"},
+    "padt1": {"pack": False, "threads": 1},
     "bf16": {"precision": "bf16"},
     "t1": {"threads": 1},
     "t2": {"threads": 2},

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.policy.packed import Pack, pack_rows, packed_token_logprobs, supports_packing
 from lightning_sdk.precision import autocast, cpu_has_bf16, wants_bf16
 from lightning_sdk.records.batch import build_batch
 from lightning_sdk.records.record import Record
@@ -125,6 +126,14 @@ class LearnerConfig(BaseModel):
         "the prompt's keys/values is dropped)",
     )
 
+    pack: bool = Field(
+        True,
+        description="a micro-batch's rows run as one packed sequence (policy/packed.py: each shared prefix once, then "
+        "every row's own tokens, attention per row; the output head only where a token is trained): one model call "
+        "per micro-batch with matrices wide enough for bf16 to pay; the same log-probs and gradients. Used where the "
+        "model supports it (Qwen3, Qwen2, Llama, Mistral without sliding windows) and with prefix_grad; else the "
+        "padded rows",
+    )
     process: bool = Field(
         False,
         description="run the learner in a child process of its own (trainer/process.py): its steps then never wait "
@@ -256,6 +265,17 @@ def _logits(
     return torch.cat([head.logits.expand(rows, -1, -1), tail.logits], dim=1)
 
 
+@dataclass
+class _Micro:
+    """One micro-batch of a step: its rows (of the batch) and their width, run packed (``pack``) or as padded rows
+    sharing their first ``prefix`` tokens (0: none shared)."""
+
+    rows: list[int]
+    width: int
+    prefix: int = 0
+    pack: Pack | None = None
+
+
 class Learner(LearnerLike):
     """Owns the trainable model and its optimizer; ``step(records)`` trains one step and returns metrics."""
 
@@ -283,6 +303,7 @@ class Learner(LearnerLike):
         )
         self.steps = 0
         self.bf16 = wants_bf16(self.config.precision, self.device)
+        self.packs = self.config.pack and self.config.prefix_grad and supports_packing(self.model)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward passes' autocast (bf16 when ``precision`` says so; else nothing)."""
@@ -357,12 +378,12 @@ class Learner(LearnerLike):
         old = self._logprobs(batch) if several and not reuse else None
         keep = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1) if reuse else None
         slices = _row_slices(batch.input_ids.shape[0], cfg.mini_batches)
-        # each slice's micro-batches (and shared prefixes) once, for every epoch
-        plans = [(rows, self._pieces(batch.input_ids[rows], batch.attention_mask[rows])) for rows in slices]
+        # each slice's micro-batches (shared prefixes, packs) once, for every epoch
+        plans = [(rows, self._micros(batch, rows)) for rows in slices]
         updates = []
         for _ in range(cfg.ppo_epochs):
-            for rows, pieces in plans:
-                updates.append(self._update(batch, rows, pieces, old, keep))
+            for rows, micros in plans:
+                updates.append(self._update(batch, rows, micros, old, keep))
                 if keep is not None:
                     old, keep = keep, None
         self.scheduler.step()
@@ -387,28 +408,73 @@ class Learner(LearnerLike):
             ]
         return pieces
 
+    def _micros(self, batch: TrainBatch, subset: list[int]) -> list[_Micro]:
+        """The micro-batches of the rows ``subset`` of ``batch``: padded pieces (``_pieces``), or with packing those
+        pieces packed together up to ``micro_batch_tokens`` tokens through the model each."""
+        pieces = self._pieces(batch.input_ids[subset], batch.attention_mask[subset])
+        lengths = [int(n) for n in batch.attention_mask[subset].sum(-1).tolist()]
+        if not self.packs:
+            return [
+                _Micro([subset[i] for i in local], max(lengths[i] for i in local), prefix) for local, prefix in pieces
+            ]
+        micros: list[_Micro] = []
+        chosen: list[tuple[list[int], int]] = []
+        tokens = 0
+        for local, prefix in pieces:
+            shared = prefix if len(local) > 1 else 0  # tokens through the model: the prefix once, then each row's own
+            cost = shared + sum(lengths[i] - shared for i in local)
+            if chosen and tokens + cost > self.config.micro_batch_tokens:
+                micros.append(self._pack(batch, subset, lengths, chosen))
+                chosen, tokens = [], 0
+            chosen.append((local, prefix))
+            tokens += cost
+        if chosen:
+            micros.append(self._pack(batch, subset, lengths, chosen))
+        return micros
+
+    def _pack(
+        self, batch: TrainBatch, subset: list[int], lengths: list[int], pieces: list[tuple[list[int], int]]
+    ) -> _Micro:
+        """``pieces`` (rows local to ``subset``, shared prefix) as one packed micro-batch of their trained tokens."""
+        local = [i for rows, _ in pieces for i in rows]
+        rows = [subset[i] for i in local]
+        width = max(lengths[i] for i in local)
+        parts, at = [], 0
+        for piece_rows, prefix in pieces:
+            parts.append((list(range(at, at + len(piece_rows))), prefix))
+            at += len(piece_rows)
+        wanted = batch.loss_mask[rows][:, 1:width] > 0
+        pack = pack_rows(batch.input_ids[rows][:, :width], [lengths[i] for i in local], parts, wanted)
+        return _Micro(rows, width, pack=pack)
+
+    def _forward(self, model: PreTrainedModel, batch: TrainBatch, micro: _Micro) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_logprobs``' [rows, width-1] log-probs and entropies of ``micro`` under ``model`` (packed: at the
+        trained columns only, 0 elsewhere)."""
+        if micro.pack is not None:
+            return packed_token_logprobs(model, micro.pack, self.config.temperature)
+        ids = batch.input_ids[micro.rows][:, : micro.width].to(self.device)
+        attn = batch.attention_mask[micro.rows][:, : micro.width].to(self.device)
+        start = first_trained(batch.loss_mask[micro.rows][:, : micro.width])
+        return token_logprobs(
+            model, ids, attn, self.config.temperature, prefix=micro.prefix, keep_from=start,
+            prefix_grad=self.config.prefix_grad,
+        )  # fmt: skip
+
     @torch.no_grad()
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T-1] log-probs of the current policy for every row (0 past a row's end), micro-batched."""
         out = torch.zeros(batch.input_ids.shape[0], batch.input_ids.shape[1] - 1)
-        for rows, prefix in self._pieces(batch.input_ids, batch.attention_mask):
-            attn = batch.attention_mask[rows]
-            width = int(attn.sum(-1).max().item())
-            ids = batch.input_ids[rows][:, :width].to(self.device)
-            keep = first_trained(batch.loss_mask[rows][:, :width])
+        for micro in self._micros(batch, list(range(batch.input_ids.shape[0]))):
             with self._autocast():
-                logp, _ = token_logprobs(
-                    self.model, ids, attn[:, :width].to(self.device), self.config.temperature, prefix=prefix,
-                    keep_from=keep, prefix_grad=self.config.prefix_grad,
-                )  # fmt: skip
-            out[rows, : width - 1] = logp.float().cpu()
+                logp, _ = self._forward(self.model, batch, micro)
+            out[micro.rows, : micro.width - 1] = logp.float().cpu()
         return out
 
     def _update(
         self,
         batch: TrainBatch,
         subset: list[int],
-        pieces: list[tuple[list[int], int]],
+        micros: list[_Micro],
         old_all: torch.Tensor | None,
         keep: torch.Tensor | None = None,
     ) -> dict[str, float]:
@@ -421,20 +487,13 @@ class Learner(LearnerLike):
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, float] = {"loss": 0.0, "entropy": 0.0, "is_weight": 0.0, "kl_ref": 0.0, "rollout_kl": 0.0}
         extra: dict[str, float] = {}
-        for local, prefix in pieces:
-            rows = [subset[i] for i in local]
-            ids = batch.input_ids[rows].to(self.device)
-            attn = batch.attention_mask[rows].to(self.device)
-            width = int(attn.sum(-1).max().item())
-            ids, attn = ids[:, :width], attn[:, :width]
+        for micro in micros:
+            rows, width = micro.rows, micro.width
             mask = batch.loss_mask[rows][:, 1:width].to(self.device).float()
             rollout_lp = batch.logprobs[rows][:, 1:width].to(self.device).float()
             adv = batch.advantages[rows][:, 1:width].to(self.device).float()
-            start = first_trained(batch.loss_mask[rows][:, :width])
             with self._autocast():
-                logp, entropy = token_logprobs(
-                    self.model, ids, attn, cfg.temperature, prefix=prefix, keep_from=start, prefix_grad=cfg.prefix_grad
-                )
+                logp, entropy = self._forward(self.model, batch, micro)
             old = logp.detach() if old_all is None else old_all[rows][:, : width - 1].to(self.device)
             if keep is not None:
                 keep[rows, : width - 1] = logp.detach().float().cpu()
@@ -443,10 +502,7 @@ class Learner(LearnerLike):
             per_token = per_token * is_weight
             if self.reference is not None:
                 with torch.no_grad(), self._autocast():
-                    ref_lp, _ = token_logprobs(
-                        self.reference, ids, attn, cfg.temperature, prefix=prefix, keep_from=start,
-                        prefix_grad=cfg.prefix_grad,
-                    )  # fmt: skip
+                    ref_lp, _ = self._forward(self.reference, batch, micro)
                 log_r = ref_lp - logp
                 kl = torch.exp(log_r) - log_r - 1.0  # k3: unbiased, non-negative
                 per_token = per_token + cfg.kl_coef * kl

@@ -103,13 +103,14 @@ def test_prefix_grad_false_is_the_gradient_with_the_prefix_held_constant(
 
 def test_the_learner_threads_prefix_grad_to_every_call(policy_dir: Path) -> None:
     """``LearnerConfig.prefix_grad`` reaches every ``token_logprobs`` call of a step (pi_old's pass, the update's,
-    the KL reference's); an update's loss is the exact path's (same log-probs), its gradient another."""
+    the KL reference's); an update's loss is the exact path's (same log-probs), its gradient another. Both learners
+    run padded rows (``pack = False``; packing runs only with ``prefix_grad``, tests/policy/test_packed.py)."""
     import lightning_sdk.trainer.learner as learner_module
 
     model, _ = load_policy(policy_dir)
     batch = _group()
     settings = {"lr": 1e-3, "warmup_steps": 1, "share_prefix": 8, "kl_coef": 0.1, "ppo_epochs": 2,
-                "reuse_first_pass": False}  # fmt: skip
+                "reuse_first_pass": False, "pack": False}  # fmt: skip
     exact = Learner(copy.deepcopy(model), LearnerConfig(**settings))
     const = Learner(copy.deepcopy(model), LearnerConfig(**settings, prefix_grad=False))
     real = token_logprobs
