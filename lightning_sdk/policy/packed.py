@@ -192,7 +192,7 @@ def pack_rows(
     scatter[queries[slots]] = slots
     rows_t, cols_t = torch.nonzero(wanted.detach().cpu(), as_tuple=True)
     select = where[rows_t, cols_t]
-    if bool((select < 0).any()):
+    if bool((cols_t + 1 >= torch.tensor(list(lengths), dtype=torch.long)[rows_t]).any()):
         raise ValueError("pack_rows: a wanted column lies past its row's end")
     targets = ids_cpu[rows_t, cols_t + 1]
     return Pack(
@@ -305,23 +305,61 @@ def _register() -> None:
 
 
 @contextlib.contextmanager
-def _packed_attention_on(model: Any) -> Iterator[None]:
-    """``model``'s attention set to ``PACKED_ATTENTION`` for the duration (its own setting restored after)."""
-    _register()
-    config = _config(model)
+def _attention(config: Any, implementation: str) -> Iterator[None]:
+    """``config``'s attention implementation set to ``implementation`` for the duration."""
     before = config._attn_implementation
-    config._attn_implementation = PACKED_ATTENTION
+    config._attn_implementation = implementation
     try:
         yield
     finally:
         config._attn_implementation = before
 
 
-def packed_logits(model: PreTrainedModel, pack: Pack) -> torch.Tensor:
-    """The logits [S, V] at ``pack.select`` (the positions whose next token is wanted) of one packed call."""
+def _checkpointed(config: Any) -> Any:
+    """A layer's ``_gradient_checkpointing_func``: PyTorch's non-reentrant checkpoint, which replays the call under
+    the autocast it ran with; the replay, in the backward pass, runs under the packed attention again."""
+    from torch.utils.checkpoint import checkpoint
+
+    def call(function: Any, *args: Any) -> Any:
+        def packed(*inner: Any) -> Any:
+            with _attention(config, PACKED_ATTENTION):
+                return function(*inner)
+
+        return checkpoint(packed, *args, use_reentrant=False, preserve_rng_state=False)
+
+    return call
+
+
+@contextlib.contextmanager
+def _packed_attention_on(model: Any, recompute: bool = False) -> Iterator[None]:
+    """``model``'s attention set to ``PACKED_ATTENTION`` for the duration, and with ``recompute`` its decoder layers
+    checkpointed (transformers' ``gradient_checkpointing`` flag on each layer that has one, in training mode); its
+    own settings restored after."""
+    _register()
+    config = _config(model)
+    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")] if recompute else []
+    saved = [(m.gradient_checkpointing, getattr(m, "_gradient_checkpointing_func", None)) for m in layers]
+    for m in layers:
+        m.gradient_checkpointing, m._gradient_checkpointing_func = True, _checkpointed(config)
+    try:
+        with _attention(config, PACKED_ATTENTION):
+            yield
+    finally:
+        for m, (flag, func) in zip(layers, saved, strict=True):
+            m.gradient_checkpointing = flag
+            if func is None:
+                del m._gradient_checkpointing_func
+            else:
+                m._gradient_checkpointing_func = func
+
+
+def packed_logits(model: PreTrainedModel, pack: Pack, recompute: bool = False) -> torch.Tensor:
+    """The logits [S, V] at ``pack.select`` (the positions whose next token is wanted) of one packed call; with
+    ``recompute`` (and gradients on) each decoder layer keeps only its input for the backward pass and runs again
+    there: ~one more forward pass for activations a layer's size instead of the whole model's."""
     device = next(model.parameters()).device
     pack = pack.to(device)
-    with _packed_attention_on(model):
+    with _packed_attention_on(model, recompute and torch.is_grad_enabled()):
         out = model(
             input_ids=pack.input_ids,
             position_ids=pack.position_ids,
@@ -339,11 +377,11 @@ _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 def packed_token_logprobs(
-    model: PreTrainedModel, pack: Pack, temperature: float = 1.0
+    model: PreTrainedModel, pack: Pack, temperature: float = 1.0, recompute: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``token_logprobs``' two [R, W-1] outputs (log-prob of each wanted token given its row's prefix, and the
     entropy of its predictive distribution) from one packed call: 0 at the columns that are not wanted."""
-    logits = packed_logits(model, pack).float()
+    logits = packed_logits(model, pack, recompute).float()
     if temperature > 0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.errors import TokenizationError
+from lightning_sdk.policy.packed import pack_rows, packed_logits, supports_packing
 from lightning_sdk.precision import Precision, autocast, wants_bf16
 
 __all__ = [
@@ -90,6 +91,12 @@ class WarmStartConfig(BaseModel):
         description="the forward passes' compute dtype, as learner.precision: bf16 autocasts them to bfloat16 "
         "(weights, gradients and the optimizer stay fp32); auto: bf16 where the CPU has AVX-512 BF16 or AMX "
         "(cpu_has_bf16), else fp32",
+    )
+    pack: bool = Field(
+        True,
+        description="a step's rows run as one packed sequence (policy/packed.py, as learner.pack: the shared prefix "
+        "once, then each row's own tokens; the output head only where a token is trained): the same loss and "
+        "gradient in one model call. Where the model supports it, with prefix_grad or no shared prefix; else padded",
     )
 
 
@@ -336,7 +343,10 @@ def _supervised_step(
     chosen = rng.sample(rows, min(cfg.batch_size, len(rows)))
     prefix = _shared_prefix(chosen, cfg.share_prefix)
     with autocast(bf16, device):
-        loss, tokens = _batch_loss(model, chosen, pad, device, prefix, cfg.prefix_grad)
+        if cfg.pack and (prefix == 0 or cfg.prefix_grad) and supports_packing(model):
+            loss, tokens = _packed_loss(model, chosen, pad, prefix)
+        else:
+            loss, tokens = _batch_loss(model, chosen, pad, device, prefix, cfg.prefix_grad)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -366,6 +376,27 @@ def _shared_prefix(chosen: Sequence[tuple[list[int], list[int]]], minimum: int) 
             if n < minimum:
                 return 0
     return n
+
+
+def _packed_loss(
+    model: PreTrainedModel, chosen: Sequence[tuple[list[int], list[int]]], pad: int, prefix: int = 0
+) -> tuple[torch.Tensor, int]:
+    """``_batch_loss`` with the rows packed (``policy/packed.py``): the shared ``prefix`` once, then each row's own
+    tokens, in one model call whose output head runs at the trained tokens' predictions only; the same mean loss
+    over the trained tokens, and the whole rows' gradient. Returns it and the tokens through the model."""
+    lengths = [len(ids) for ids, _ in chosen]
+    ids_t = torch.full((len(chosen), max(lengths)), pad, dtype=torch.long)
+    wanted = torch.zeros(len(chosen), max(lengths) - 1, dtype=torch.bool)
+    for i, (ids, mask) in enumerate(chosen):
+        ids_t[i, : len(ids)] = torch.tensor(ids)
+        wanted[i, : len(ids) - 1] = torch.tensor(mask[1:]) == 1
+    if prefix > 0 and len(chosen) > 1:
+        parts = [(list(range(len(chosen))), prefix)]
+    else:
+        parts = [([i], 0) for i in range(len(chosen))]
+    pack = pack_rows(ids_t, lengths, parts, wanted)
+    logits = packed_logits(model, pack).float()
+    return torch.nn.functional.cross_entropy(logits, pack.targets.to(logits.device)), pack.tokens
 
 
 def _batch_loss(

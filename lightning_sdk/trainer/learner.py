@@ -134,6 +134,12 @@ class LearnerConfig(BaseModel):
         "model supports it (Qwen3, Qwen2, Llama, Mistral without sliding windows) and with prefix_grad; else the "
         "padded rows",
     )
+    recompute: bool = Field(
+        False,
+        description="packed rows: each decoder layer keeps only its input for the backward pass and runs again there "
+        "(activation checkpointing): ~one more forward pass per update for activations of one layer instead of the "
+        "whole model's, so larger packs fit the same memory",
+    )
     process: bool = Field(
         False,
         description="run the learner in a child process of its own (trainer/process.py): its steps then never wait "
@@ -451,7 +457,7 @@ class Learner(LearnerLike):
         """``token_logprobs``' [rows, width-1] log-probs and entropies of ``micro`` under ``model`` (packed: at the
         trained columns only, 0 elsewhere)."""
         if micro.pack is not None:
-            return packed_token_logprobs(model, micro.pack, self.config.temperature)
+            return packed_token_logprobs(model, micro.pack, self.config.temperature, self.config.recompute)
         ids = batch.input_ids[micro.rows][:, : micro.width].to(self.device)
         attn = batch.attention_mask[micro.rows][:, : micro.width].to(self.device)
         start = first_trained(batch.loss_mask[micro.rows][:, : micro.width])

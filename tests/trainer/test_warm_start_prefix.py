@@ -46,11 +46,14 @@ def _calc_rows(tokenizer: Any, n: int = 6) -> Rows:
 
 
 def _step(
-    model: torch.nn.Module, rows: Rows, share_prefix: int, pad: int, prefix_grad: bool = False
+    model: torch.nn.Module, rows: Rows, share_prefix: int, pad: int, prefix_grad: bool = False, pack: bool = False
 ) -> tuple[float, int, int]:
     """``_supervised_step`` on all of ``rows`` (a fixed seed: the same order every call) with an optimizer that does
-    not move the weights and a clip that never acts, so the gradients stay in ``.grad`` as computed."""
-    cfg = WarmStartConfig(batch_size=len(rows), grad_clip=1e9, share_prefix=share_prefix, prefix_grad=prefix_grad)
+    not move the weights and a clip that never acts, so the gradients stay in ``.grad`` as computed. Padded rows
+    unless ``pack`` (the packed path is checked against them in ``test_packed_rows_give_the_padded_step``)."""
+    cfg = WarmStartConfig(
+        batch_size=len(rows), grad_clip=1e9, share_prefix=share_prefix, prefix_grad=prefix_grad, pack=pack
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
     return _supervised_step(model, optimizer, scheduler, rows, random.Random(0), cfg, pad, CPU)  # type: ignore[arg-type]
@@ -133,6 +136,36 @@ def test_shared_prefix_with_prefix_grad_gives_the_whole_row_gradient(policy_dir:
     assert WarmStartConfig().prefix_grad  # the exact path is the default
 
 
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_packed_rows_give_the_padded_step(policy_dir: Path, kind: str) -> None:
+    """``pack`` (the default): the step's rows as one packed sequence, whole or with the shared head once, give the
+    padded whole rows' loss and gradient in one model call over the real tokens only (no padding)."""
+    model, tokenizer = load_policy(policy_dir)
+    if kind == "lora":
+        model = lora_tiny(model)
+    pad = int(tokenizer.pad_token_id)
+    rows = _calc_rows(tokenizer)
+    prefix = _shared_prefix(random.Random(0).sample(rows, len(rows)), 8)
+    whole_model = copy.deepcopy(model)
+    whole_loss, whole_tokens, _ = _step(whole_model, rows, 0, pad)
+    whole = grads(whole_model)
+    assert WarmStartConfig().pack
+    for share in (0, 8):
+        packed_model = copy.deepcopy(model)
+        calls: list[int] = []
+        inner = packed_model.get_base_model() if kind == "lora" else packed_model
+        inner.model.register_forward_hook(lambda *_a, seen=calls: seen.append(1))
+        loss, tokens, shared = _step(packed_model, rows, share, pad, prefix_grad=True, pack=True)
+        assert calls == [1] and shared == (prefix if share else 0)
+        real = sum(len(ids) for ids, _ in rows)
+        assert tokens == (real - (len(rows) - 1) * prefix if share else real) < whole_tokens
+        assert loss == pytest.approx(whole_loss, abs=1e-5)
+        packed = grads(packed_model)
+        assert packed.keys() == whole.keys()
+        for name in whole:
+            assert torch.allclose(packed[name], whole[name], atol=1e-5, rtol=1e-4), (share, name)
+
+
 def test_rows_that_share_fewer_than_share_prefix_tokens_run_whole_rows(policy_dir: Path) -> None:
     model, tokenizer = load_policy(policy_dir)
     pad = int(tokenizer.pad_token_id)
@@ -189,12 +222,12 @@ def test_warm_start_reports_the_prefix_and_autocasts_with_bf16(
     tasks = calc_tasks()
     demos = [tasks.demonstration(t) for t in tasks.make_tasks(8, "train", seed=3)]
 
-    def run(precision_: str) -> tuple[Any, list[bool]]:
+    def run(precision_: str, pack: bool = False) -> tuple[Any, list[bool]]:
         m = copy.deepcopy(model)
         seen: list[bool] = []
         m.register_forward_hook(lambda *_a: seen.append(torch.is_autocast_enabled("cpu")))
         cfg = WarmStartConfig(batch_size=4, max_steps=1, eval_every=100, threads=1, share_prefix=8,
-                              precision=precision_)  # fmt: skip
+                              precision=precision_, pack=pack)  # fmt: skip
         return warm_start(m, tokenizer, demos, lambda _m: 0.0, cfg), seen
 
     fp32, seen32 = run("fp32")
@@ -202,6 +235,8 @@ def test_warm_start_reports_the_prefix_and_autocasts_with_bf16(
     assert seen32 == [False, False]  # the prefix's pass and the rows' pass
     bf16, seen16 = run("bf16")
     assert bf16.shared_prefix == fp32.shared_prefix and seen16 == [True, True]
+    packed, seen_packed = run("bf16", pack=True)
+    assert packed.shared_prefix == fp32.shared_prefix and seen_packed == [True]  # one packed pass
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
     _, seen_auto = run("auto")
     assert seen_auto == [True, True]
