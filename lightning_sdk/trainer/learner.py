@@ -80,7 +80,12 @@ class LearnerConfig(BaseModel):
     temperature: float = Field(
         1.0, gt=0, description="log-prob temperature; the trainer sets it to the sampling temperature (rl.temperature)"
     )
-    micro_batch_tokens: int = Field(8192, ge=1, description="token budget of a micro-batch (gradient accumulation)")
+    micro_batch_tokens: int = Field(
+        8192,
+        ge=1,
+        description="token budget of a micro-batch (gradient accumulation): padded, rows x the longest row (a shared "
+        "prefix once); packed (pack), the tokens through the model. It bounds the step's activation memory",
+    )
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's batch (more than one update: the clip acts)")
     mini_batches: int = Field(1, ge=1, description="optimizer updates per pass (row slices of the batch)")
     threads: int | None = Field(
