@@ -81,14 +81,17 @@ class Pack:
     """A micro-batch of rows as one sequence (``pack_rows``).
 
     ``input_ids``/``position_ids`` [1, N]: each head once, then each row's own tokens, with the positions they hold
-    in their row. ``buckets``: the attention rows; ``scatter`` [N]: where each packed token's attention output sits
-    in the buckets' outputs flattened and concatenated. ``select`` [S]: the packed positions whose next token is
-    wanted, in row-major order of ``rows``/``cols`` [S] (the row, and the column of the ``[R, W-1]`` outputs that
-    ``token_logprobs`` returns) and ``targets`` [S] (the wanted tokens)."""
+    in their row. ``buckets``: the attention rows; ``query_index``/``key_index``: every bucket's ``query``/``key``
+    flattened and concatenated (one gather each per layer); ``scatter`` [N]: where each packed token's attention
+    output sits in the buckets' outputs, flattened and concatenated the same way. ``select`` [S]: the packed positions
+    whose next token is wanted, in row-major order of ``rows``/``cols`` [S] (the row, and the column of the
+    ``[R, W-1]`` outputs that ``token_logprobs`` returns) and ``targets`` [S] (the wanted tokens)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     buckets: list[_Bucket]
+    query_index: torch.Tensor
+    key_index: torch.Tensor
     scatter: torch.Tensor
     select: torch.Tensor
     rows: torch.Tensor
@@ -96,11 +99,13 @@ class Pack:
     targets: torch.Tensor
     shape: tuple[int, int]
 
-    def __post_init__(self) -> None:
-        self.query_index = torch.cat([b.query.reshape(-1) for b in self.buckets])
-        self.key_index = torch.cat([b.key.reshape(-1) for b in self.buckets])
-        self.query_sizes = [b.query.numel() for b in self.buckets]
-        self.key_sizes = [b.key.numel() for b in self.buckets]
+    @property
+    def query_sizes(self) -> list[int]:
+        return [b.query.numel() for b in self.buckets]
+
+    @property
+    def key_sizes(self) -> list[int]:
+        return [b.key.numel() for b in self.buckets]
 
     @property
     def tokens(self) -> int:
@@ -114,6 +119,8 @@ class Pack:
             self.input_ids.to(device),
             self.position_ids.to(device),
             [_Bucket(b.query.to(device), b.key.to(device), b.mask.to(device)) for b in self.buckets],
+            self.query_index.to(device),
+            self.key_index.to(device),
             self.scatter.to(device),
             self.select.to(device),
             self.rows.to(device),
@@ -140,10 +147,10 @@ def pack_rows(
     ids_cpu = input_ids.detach().cpu()
     chunks: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
-    # where each (row, column) sits in the pack: row i's column c is at start[i] + c, or at head[i] + c for c < cut[i]
+    # where each (row, column) sits in the pack: its part's head for the prefix's columns, else its own tokens
     where = torch.full((n_rows, width), -1, dtype=torch.long)
     causal: list[tuple[torch.Tensor, torch.Tensor]] = []  # (query, key) index rows: heads and whole rows
-    tails: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (query, key, first query position) of rows' tails
+    tails: list[tuple[torch.Tensor, torch.Tensor]] = []  # (query, key) index rows of rows' tails: head keys first
     seen: set[int] = set()
     n = 0
     for rows, prefix in parts:
@@ -172,7 +179,7 @@ def pack_rows(
                 causal.append((mine, mine))
                 where[i, : lengths[i]] = mine
             else:
-                tails.append((mine, torch.cat([head, mine]), prefix))
+                tails.append((mine, torch.cat([head, mine])))
                 where[i, :prefix] = head
                 where[i, prefix : lengths[i]] = mine
             n += own
@@ -187,9 +194,9 @@ def pack_rows(
             order.append(flat + offset)
             offset += bucket.query.numel()
     scatter = torch.empty(n, dtype=torch.long)
-    queries = torch.cat([b.query.reshape(-1) for b in buckets])
+    query_index = torch.cat([b.query.reshape(-1) for b in buckets])
     slots = torch.cat(order)
-    scatter[queries[slots]] = slots
+    scatter[query_index[slots]] = slots
     rows_t, cols_t = torch.nonzero(wanted.detach().cpu(), as_tuple=True)
     select = where[rows_t, cols_t]
     if bool((cols_t + 1 >= torch.tensor(list(lengths), dtype=torch.long)[rows_t]).any()):
@@ -199,6 +206,8 @@ def pack_rows(
         torch.cat(chunks).unsqueeze(0),
         position_ids.unsqueeze(0),
         buckets,
+        query_index,
+        torch.cat([b.key.reshape(-1) for b in buckets]),
         scatter,
         select,
         rows_t,
@@ -209,7 +218,7 @@ def pack_rows(
 
 
 def _buckets(
-    group: Sequence[tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, int]],
+    group: Sequence[tuple[torch.Tensor, torch.Tensor]],
     position_ids: torch.Tensor,
 ) -> Iterator[tuple[_Bucket, torch.Tensor]]:
     """Attention rows of one kind, sorted by key length and cut where padding to the longest would waste more than
@@ -235,8 +244,7 @@ def _buckets(
         qpos = torch.full((len(members), longest_q), torch.iinfo(torch.long).max)
         kpos = torch.full((len(members), longest_k), torch.iinfo(torch.long).max)
         flat = []
-        for r, member in enumerate(members):
-            q_idx, k_idx = member[0], member[1]
+        for r, (q_idx, k_idx) in enumerate(members):
             query[r, : len(q_idx)] = q_idx
             key[r, : len(k_idx)] = k_idx
             qpos[r, : len(q_idx)] = position_ids[q_idx]
@@ -262,12 +270,11 @@ def _packed_attention(
 ) -> tuple[torch.Tensor, None]:
     """The attention of a packed call (``query`` [1, H, N, D], ``key``/``value`` [1, Hkv, N, D]): per bucket, the
     attention rows gathered from the packed tokens, SDPA under the bucket's mask, the outputs scattered back to
-    [1, N, H, D]. Called outside a packed call (no ``pack`` argument), it is transformers' SDPA."""
+    [1, N, H, D]. A model runs under it only inside ``packed_logits``, whose call passes the pack to every layer
+    (``attention_mask`` is its placeholder)."""
     pack: Pack | None = kwargs.pop("lightning_pack", None)
     if pack is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        raise ValueError("packed attention called without a pack (only packed_logits sets it on a model)")
     if kwargs.get("sliding_window") is not None:
         raise ValueError("packed rows: a sliding-window layer cannot run packed (supports_packing says no)")
     dtype = query.dtype
