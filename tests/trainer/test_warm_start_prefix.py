@@ -73,17 +73,21 @@ def _whole_row_loss(model: torch.nn.Module, rows: Sequence[tuple[list[int], list
     return model(input_ids=ids_t, attention_mask=attn, labels=labels).loss  # type: ignore[no-any-return]
 
 
+def _calc_setup(policy_dir: Path, kind: str) -> tuple[Any, int, Rows]:
+    """The policy (``kind`` "lora": with a random LoRA adapter), its pad id and real calc warm-start rows."""
+    model, tokenizer = load_policy(policy_dir)
+    if kind == "lora":
+        model = lora_tiny(model)
+    return model, int(tokenizer.pad_token_id), _calc_rows(tokenizer)
+
+
 def _flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([v.flatten() for v in g.values()])
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_shared_prefix_gives_the_whole_row_loss_and_the_constant_context_gradient(policy_dir: Path, kind: str) -> None:
-    model, tokenizer = load_policy(policy_dir)
-    if kind == "lora":
-        model = lora_tiny(model)
-    pad = int(tokenizer.pad_token_id)
-    rows = _calc_rows(tokenizer)
+    model, pad, rows = _calc_setup(policy_dir, kind)
     order = random.Random(0).sample(rows, len(rows))  # what _step's batch is, in its order
     prefix = _shared_prefix(order, 8)
     first_trained = min(mask.index(1) for _, mask in rows)
@@ -117,11 +121,7 @@ def test_shared_prefix_with_prefix_grad_gives_the_whole_row_gradient(policy_dir:
     """``prefix_grad`` (the default): the head runs once with autograd and its repeated keys/values stay in the
     graph, so the step's loss and gradient are the whole rows' (LoRA: the adapter's gradient through the head too),
     at ``prefix + rows x (width - prefix)`` tokens instead of ``rows x width``."""
-    model, tokenizer = load_policy(policy_dir)
-    if kind == "lora":
-        model = lora_tiny(model)
-    pad = int(tokenizer.pad_token_id)
-    rows = _calc_rows(tokenizer)
+    model, pad, rows = _calc_setup(policy_dir, kind)
     prefix = _shared_prefix(random.Random(0).sample(rows, len(rows)), 8)
     assert prefix > 8
     whole_model, shared_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -140,11 +140,7 @@ def test_shared_prefix_with_prefix_grad_gives_the_whole_row_gradient(policy_dir:
 def test_packed_rows_give_the_padded_step(policy_dir: Path, kind: str) -> None:
     """``pack`` (the default): the step's rows as one packed sequence, whole or with the shared head once, give the
     padded whole rows' loss and gradient in one model call over the real tokens only (no padding)."""
-    model, tokenizer = load_policy(policy_dir)
-    if kind == "lora":
-        model = lora_tiny(model)
-    pad = int(tokenizer.pad_token_id)
-    rows = _calc_rows(tokenizer)
+    model, pad, rows = _calc_setup(policy_dir, kind)
     prefix = _shared_prefix(random.Random(0).sample(rows, len(rows)), 8)
     whole_model = copy.deepcopy(model)
     whole_loss, whole_tokens, _ = _step(whole_model, rows, 0, pad)
