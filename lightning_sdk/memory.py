@@ -18,25 +18,21 @@ no faster (342 s vs 355 s), so a large policy keeps 1 MiB.
 
 A small policy does not (``tune_for_policy``, called once the job's policy is loaded): the tiny calc policy's
 tensors that come and go thousands of times a minute (a prefill's activations, the engine's batch caches, the
-learner's micro-batches) are 1-8 MiB, so under a 1 MiB threshold every one of them was mapped, faulted in page by
-page and unmapped: 20 million page faults in two minutes of ``lightning-sdk train examples/calc_agent``, a quarter
-of the process's CPU time spent in the kernel (47 of 178 s). Measured on that job (2-core Xeon, 2026-12-06, issue
-25; docs/development.md, thirteenth round):
+learner's packed micro-batches, the warm start's steps) are 1-8 MiB, so under a 1 MiB threshold every one of them
+was mapped, faulted in page by page and unmapped: 20 million page faults in two minutes of ``lightning-sdk train
+examples/calc_agent``, a quarter of the process's CPU time spent in the kernel (2-core Xeon, 2026-12-06; on a 2-core
+AMD EPYC without AVX-512 a warm-start step took 0.72 s on two threads against 0.47 s at 8 MiB, a learner step of the
+job's real batches 7.2 s against 3.9 s: docs/development.md, sixteenth round). So a policy under
+``SMALL_POLICY_PARAMETERS`` runs the whole job (warm start and RL) at ``SMALL_POLICY_MMAP_THRESHOLD`` (8 MiB).
 
-- with ``LIGHTNING_SDK_WARM_START_MALLOC=1`` in the environment (off by default: see the RSS below), during a small
-  policy's supervised warm start (``warm_start_phase``; a policy under ``SMALL_POLICY_PARAMETERS``, marked by
-  ``tune_for_policy``) the threshold is ``WARM_START_MMAP_THRESHOLD`` (8 MiB) and glibc keeps up to
-  ``WARM_START_TRIM_THRESHOLD`` (64 MiB) of free heap before giving it back (``M_TRIM_THRESHOLD``; its 128 KiB
-  default once a threshold is fixed returned and re-faulted the heap's top at every step): a step's activations for
-  32 demonstrations are 2-8 MiB each, and kept in the heap the warm start's 42 steps took 22-31 s instead of 44-50 s
-  (0.3-0.5 million page faults instead of 20 million);
-- not in RL: there the same blocks, kept beside the engine's long-lived prefix-cache entries, fragment the heap, and
-  whole runs at 8 MiB peaked at 1.48-1.57 GB RSS (1.21-1.28 GB at 1 MiB) for RL steps only ~10% faster. At the warm
-  start's end the thresholds go back to 1 MiB and glibc's default, and the free heap is returned (``malloc_trim``).
-  Even so the heap the warm start left behind makes RL's small blocks land on pages all over it: whole runs with the
-  phase peaked at 1,453-1,531 MB (1,201-1,307 MB without), over the main job's 1.5 GB budget in two of four, while
-  their time to +30 (176-195 s) was no better than without (155-200 s: the faster steps needed more of them). Hence
-  opt-in, for a machine with memory to spare.
+Kept in the heap, though, those blocks fragment it (they sit beside the engine's long-lived prefix-cache entries):
+RL at 8 MiB alone peaked at 1.48-1.57 GB RSS on the Xeon (1.21-1.28 GB at 1 MiB, thirteenth round) and 1.40-1.45
+GB on the EPYC. So after each learner step, and at the warm start's end, a small policy's free heap goes back to the
+kernel (``release_free_heap``: ``malloc_trim``, which also returns the free pages inside the heap, not only its
+top): the pages a step freed are faulted in again once by the next step (not once per tensor as under 1 MiB), and
+the main job on the EPYC peaked at 1.33 GB (1.36 GB at 1 MiB) with the warm start at 31-40 s instead of 64 s and the
+learner's CPU per trained token -33%. ``summary.json`` (``malloc``) records the thresholds, how many trims ran and
+what they gave back.
 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the environment always win (glibc
 reads them at start; nothing here overrides them).
@@ -44,47 +40,35 @@ reads them at start; nothing here overrides them).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "MMAP_THRESHOLD",
+    "SMALL_POLICY_MMAP_THRESHOLD",
     "SMALL_POLICY_PARAMETERS",
-    "WARM_START_MMAP_THRESHOLD",
-    "WARM_START_SWITCH",
-    "WARM_START_TRIM_THRESHOLD",
     "limit_malloc",
     "malloc_settings",
     "mmap_threshold",
+    "release_free_heap",
+    "resident_bytes",
     "set_mmap_threshold",
     "set_trim_threshold",
     "tune_for_policy",
-    "warm_start_phase",
 ]
 
 MMAP_THRESHOLD = 1 << 20
 """1 MiB: every block of 1 MiB or more is mapped when allocated and unmapped when freed."""
 
 SMALL_POLICY_PARAMETERS = 50_000_000
-"""Policies with fewer parameters than this warm-start under ``WARM_START_MMAP_THRESHOLD`` and
-``WARM_START_TRIM_THRESHOLD`` (``warm_start_phase``); SmolLM2-135M and larger keep 1 MiB."""
+"""Policies with fewer parameters than this run at ``SMALL_POLICY_MMAP_THRESHOLD`` and give their free heap back
+after each learner step (``release_free_heap``); SmolLM2-135M and larger keep 1 MiB."""
 
-WARM_START_MMAP_THRESHOLD = 8 << 20
-"""8 MiB: a small policy's supervised steps keep their 2-8 MiB activations in the heap."""
-
-WARM_START_TRIM_THRESHOLD = 64 << 20
-"""64 MiB of free heap top kept (per arena) during a small policy's warm start."""
-
-WARM_START_SWITCH = "LIGHTNING_SDK_WARM_START_MALLOC"
-"""The environment variable that turns ``warm_start_phase`` on ("1"); off by default (peak RSS, see above)."""
-
-GLIBC_TRIM_THRESHOLD = 128 << 10
-"""glibc's own trim threshold (128 KiB), put back after the warm start."""
+SMALL_POLICY_MMAP_THRESHOLD = 8 << 20
+"""8 MiB: a small policy's step tensors (1-8 MiB) come from the heap (``tune_for_policy``)."""
 
 _M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
 _M_ARENA_MAX = -8
@@ -97,8 +81,9 @@ class _Settings:
 
     threshold: int | None = None
     trim: int | None = None
-    small_policy: bool = False  # tune_for_policy found a small policy
-    warm_start: dict[str, int | None] | None = None  # the last warm_start_phase's thresholds
+    small_policy: bool = False  # tune_for_policy found a small policy (and set its threshold)
+    trims: int = 0  # release_free_heap's trims
+    released: int = 0  # the resident bytes they gave back
 
 
 _state = _Settings()
@@ -142,45 +127,51 @@ def set_trim_threshold(nbytes: int) -> bool:
 
 
 def tune_for_policy(parameters: int) -> dict[str, Any]:
-    """Once the policy is loaded: a policy with fewer than ``SMALL_POLICY_PARAMETERS`` parameters is small, and its
-    warm start runs under ``warm_start_phase``'s settings. Only a process whose threshold ``limit_malloc`` fixed at
-    start is tuned: where the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_ARENA_MAX``, or nothing called
+    """Once the policy is loaded: a policy with fewer than ``SMALL_POLICY_PARAMETERS`` parameters is small, and the
+    process's mmap threshold goes to ``SMALL_POLICY_MMAP_THRESHOLD`` (its step tensors from the heap), its free heap
+    given back after each learner step (``release_free_heap``). Only a process whose threshold ``limit_malloc`` fixed
+    at start is tuned: where the user set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_ARENA_MAX``, or nothing called
     ``limit_malloc`` (a library use), malloc stays as it is. Returns ``malloc_settings()``."""
-    _state.small_policy = _state.threshold is not None and 0 < parameters < SMALL_POLICY_PARAMETERS
+    small = _state.threshold is not None and 0 < parameters < SMALL_POLICY_PARAMETERS
+    _state.small_policy = small and set_mmap_threshold(SMALL_POLICY_MMAP_THRESHOLD)
     return malloc_settings()
 
 
-@contextlib.contextmanager
-def warm_start_phase() -> Iterator[int | None]:
-    """With ``LIGHTNING_SDK_WARM_START_MALLOC=1``, around a small policy's supervised warm start: the mmap threshold
-    at ``WARM_START_MMAP_THRESHOLD`` and the trim threshold at ``WARM_START_TRIM_THRESHOLD`` (unless the user set
-    ``MALLOC_TRIM_THRESHOLD_``), then both back (the threshold to what it was, the trim threshold to glibc's 128 KiB)
-    and the free heap returned to the kernel (``malloc_trim``). Yields the threshold in force (None: nothing changed:
-    not a small policy, the user's own settings, or the switch off)."""
-    before = _state.threshold
-    wanted = os.environ.get(WARM_START_SWITCH, "") == "1"
-    if not wanted or not _state.small_policy or before is None or not set_mmap_threshold(WARM_START_MMAP_THRESHOLD):
-        yield None
-        return
-    trimmed = set_trim_threshold(WARM_START_TRIM_THRESHOLD)
-    _state.warm_start = {"mmap_threshold": WARM_START_MMAP_THRESHOLD, "trim_threshold": _state.trim}
+def resident_bytes() -> int:
+    """This process's resident set size (``/proc/self/statm``; 0 where there is none)."""
     try:
-        yield WARM_START_MMAP_THRESHOLD
-    finally:
-        set_mmap_threshold(before)
-        if trimmed:
-            set_trim_threshold(GLIBC_TRIM_THRESHOLD)
-            _state.trim = None  # glibc's own again
-        libc = _libc()
-        if libc is not None:
-            libc.malloc_trim(0)
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_free_heap() -> int | None:
+    """For a small policy (``tune_for_policy``), after a learner step or the warm start: give the heap's free pages
+    back to the kernel (``malloc_trim(0)``: all arenas, inside the heaps as well as their tops). Returns the resident
+    bytes that went (None: not a small policy's process, nothing done)."""
+    libc = _libc() if _state.small_policy else None
+    if libc is None:
+        return None
+    before = resident_bytes()
+    libc.malloc_trim(0)
+    released = max(0, before - resident_bytes())
+    _state.trims += 1
+    _state.released += released
+    return released
 
 
 def malloc_settings() -> dict[str, Any]:
     """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes now (None: left to glibc or the
-    environment) and ``warm_start``, those of the last ``warm_start_phase`` (None: it changed nothing);
-    ``summary.json`` records it."""
-    return {"mmap_threshold": _state.threshold, "trim_threshold": _state.trim, "warm_start": _state.warm_start}
+    environment), ``small_policy`` (the small policy's settings in force), and ``trims`` / ``released_mb``: how often
+    ``release_free_heap`` ran and the resident MiB it gave back; ``summary.json`` records it."""
+    return {
+        "mmap_threshold": _state.threshold,
+        "trim_threshold": _state.trim,
+        "small_policy": _state.small_policy,
+        "trims": _state.trims,
+        "released_mb": _state.released >> 20,
+    }
 
 
 def limit_malloc(arenas: int = 2) -> None:

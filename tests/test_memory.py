@@ -58,46 +58,38 @@ PROBE = HEADER + textwrap.dedent(
     """
 )
 
-# a small policy's warm start after limit_malloc: outside it a 1.5 MiB block is mapped and glibc trims a freed heap
-# top (the heap's size in mallinfo2().arena shrinks); inside warm_start_phase the block and a 4 MiB one come from the
-# heap and a freed 32 MiB top stays; after it the block is mapped again and the phase's freed heap was returned
+# a policy of argv[1] parameters after limit_malloc: whether a 1.5 MiB and a 4 MiB block are mapped, and what
+# release_free_heap gives back of 64 MiB of 512 KiB blocks (from the heap under any threshold here) touched and freed
+# below one block still held (so the freed pages sit inside the heap, under its top, where only a trim of the whole
+# heap reaches them)
 TUNE = HEADER + textwrap.dedent(
     """
-
-    def heap_kept_after_free(nbytes):
-        # 512 KiB blocks (below either threshold: from the heap), freed in reverse order: the heap's top is free
-        blocks = [libc.malloc(512 << 10) for _ in range(nbytes >> 19)]
-        grown = libc.mallinfo2().arena
-        for b in reversed(blocks):
-            libc.free(b)
-        assert grown >= nbytes, grown
-        return libc.mallinfo2().arena >= grown - (1 << 20)
+    from ctypes import memset
 
     out = {}
     memory.limit_malloc()
-    out["small"] = memory.tune_for_policy(int(sys.argv[1]))
+    out["settings"] = memory.tune_for_policy(int(sys.argv[1]))
     out["maps_1_5mib"] = mapped_by_malloc(3 << 19)
-    out["keeps_heap_top"] = heap_kept_after_free(32 << 20)
-    libc.malloc_trim(0)  # an empty heap top: whether a block is mapped is the threshold's decision
-    with memory.warm_start_phase() as phase:
-        out["phase"] = phase
-        out["phase_settings"] = memory.malloc_settings()
-        out["phase_maps_1_5mib"] = mapped_by_malloc(3 << 19)
-        out["phase_maps_4mib"] = mapped_by_malloc(4 << 20)
-        out["phase_keeps_heap_top"] = heap_kept_after_free(32 << 20)
-        out["phase_heap"] = libc.mallinfo2().arena
-    out["after_phase"] = memory.malloc_settings()
-    out["after_phase_maps_1_5mib"] = mapped_by_malloc(3 << 19)
-    out["after_phase_heap"] = libc.mallinfo2().arena
+    out["maps_4mib"] = mapped_by_malloc(4 << 20)
+    blocks = [libc.malloc(512 << 10) for _ in range(128)]
+    for b in blocks:
+        memset(b, 1, 512 << 10)  # resident now
+    held = libc.malloc(512 << 10)  # above them: their pages are not the heap's top
+    memset(held, 1, 512 << 10)
+    for b in blocks:
+        libc.free(b)
+    rss = memory.resident_bytes()
+    out["released"] = memory.release_free_heap()
+    out["rss_drop"] = rss - memory.resident_bytes()
+    out["after"] = memory.malloc_settings()
+    libc.free(held)
     print(json.dumps(out))
     """
 )
 
 
 def _probe(*args: str, code: str = PROBE, **env: str) -> dict[str, object]:
-    clean = {
-        k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LIGHTNING_SDK_WARM_START_MALLOC"
-    }
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", code, *args], env={**clean, **env}, capture_output=True, text=True, timeout=60,
         check=True,
@@ -127,43 +119,33 @@ def test_a_users_arena_cap_leaves_the_threshold_alone() -> None:
     assert out["start_maps_2mib"] is True  # glibc's own start threshold: 128 KiB
 
 
-def test_a_small_policy_warm_starts_with_its_step_tensors_in_the_heap() -> None:
-    """The tiny calc policy (3.2M parameters): in the warm start 1.5 and 4 MiB blocks come from the heap and a freed
-    32 MiB heap top stays (no page faults when the next step allocates them again); before and after it the
-    1 MiB threshold and glibc's trim threshold hold, and the phase's free heap is given back at its end."""
-    out = _probe("3200000", code=TUNE, LIGHTNING_SDK_WARM_START_MALLOC="1")
-    one_mib = {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None}
-    assert out["small"] == {**one_mib, "warm_start": None}
-    assert out["maps_1_5mib"] is True
-    assert out["keeps_heap_top"] is False
-    assert out["phase"] == 8 << 20
-    warm = {"mmap_threshold": 8 << 20, "trim_threshold": 64 << 20}
-    assert out["phase_settings"] == {**warm, "warm_start": warm}
-    assert out["phase_maps_1_5mib"] is False and out["phase_maps_4mib"] is False
-    assert out["phase_keeps_heap_top"] is True
-    assert out["after_phase"] == {**one_mib, "warm_start": warm}
-    assert out["after_phase_maps_1_5mib"] is True
-    # malloc_trim gave the freed 32 MiB back: the heap shrank below what the phase left it at
-    assert out["after_phase_heap"] <= out["phase_heap"] - (16 << 20), (out["phase_heap"], out["after_phase_heap"])
-
-
-def test_the_warm_start_phase_is_off_unless_asked() -> None:
-    """Off by default (the main job's peak RSS): the small policy's warm start keeps 1 MiB and glibc's trim."""
+def test_a_small_policy_keeps_its_step_tensors_in_the_heap_and_gives_freed_pages_back() -> None:
+    """The tiny calc policy (3.2M parameters): its 1.5 and 4 MiB step tensors come from the heap (no page faults
+    when the next micro-batch allocates them again), and release_free_heap (after each learner step) returns the
+    64 MiB freed inside the heap, which glibc's own trimming of the heap's top never reaches."""
     out = _probe("3200000", code=TUNE)
-    assert out["phase"] is None and out["phase_maps_1_5mib"] is True and out["phase_keeps_heap_top"] is False
-    assert out["after_phase"]["warm_start"] is None
+    assert out["settings"] == {
+        "mmap_threshold": 8 << 20, "trim_threshold": None, "small_policy": True, "trims": 0, "released_mb": 0,
+    }  # fmt: skip
+    assert out["maps_1_5mib"] is False and out["maps_4mib"] is False
+    assert out["released"] >= 48 << 20, out
+    assert out["rss_drop"] >= 48 << 20, out
+    assert out["after"]["trims"] == 1 and out["after"]["released_mb"] >= 48
 
 
-def test_a_large_policy_keeps_one_mib() -> None:
-    out = _probe("135000000", code=TUNE, LIGHTNING_SDK_WARM_START_MALLOC="1")  # SmolLM2-135M
-    assert out["small"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "warm_start": None}
-    assert out["phase"] is None and out["phase_maps_1_5mib"] is True
-    assert out["phase_keeps_heap_top"] is False
+def test_a_large_policy_keeps_one_mib_and_no_trims() -> None:
+    out = _probe("135000000", code=TUNE)  # SmolLM2-135M
+    assert out["settings"] == {
+        "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "small_policy": False, "trims": 0, "released_mb": 0,
+    }  # fmt: skip
+    assert out["maps_1_5mib"] is True and out["maps_4mib"] is True
+    assert out["released"] is None and out["after"]["trims"] == 0
 
 
 def test_a_users_settings_are_not_tuned() -> None:
-    out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2", LIGHTNING_SDK_WARM_START_MALLOC="1")
-    assert out["small"] == {"mmap_threshold": None, "trim_threshold": None, "warm_start": None}
-    assert out["phase"] is None
-    out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20), LIGHTNING_SDK_WARM_START_MALLOC="1")
-    assert out["phase"] is None and out["phase_maps_1_5mib"] is True
+    out = _probe("3200000", code=TUNE, MALLOC_ARENA_MAX="2")
+    assert out["settings"]["mmap_threshold"] is None and out["settings"]["small_policy"] is False
+    assert out["released"] is None
+    out = _probe("3200000", code=TUNE, MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    assert out["settings"]["small_policy"] is False and out["maps_1_5mib"] is True
+    assert out["released"] is None

@@ -53,8 +53,10 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sdk.app.schedule import Schedule, Taken, generated_tokens, group_ids, group_version
 from lightning_sdk.errors import RunStopped
+from lightning_sdk.memory import release_free_heap
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.records import AdvantageConfig, BuildResult, MergeOptions, RecordsConfig, build_records
+from lightning_sdk.records.record import Record
 from lightning_sdk.store import Store
 from lightning_sdk.telemetry import StepSpan, Telemetry
 from lightning_sdk.trainer.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
@@ -354,7 +356,7 @@ class TrainingLoop:
             seen = self.schedule.observe(taken.fresh, taken.stale, taken.screened, built.reports)
             staleness = [self.version - (group_version(g) or self.version) for g in taken.fresh]
         with clock.phase("learner_s"):
-            metrics = await asyncio.to_thread(self.learner.step, built.records) if built.records else {}
+            metrics = await asyncio.to_thread(self._learn, built.records) if built.records else {}
         new_version = self.version + 1 if built.records else self.version
         with clock.phase("save_s"):
             await self._checkpoint(step, new_version, taken)
@@ -370,6 +372,13 @@ class TrainingLoop:
             learner_s, publish_s = clock.seconds["learner_s"], clock.seconds["publish_s"]
             self.ops.training_step(learner_s if trained else None, publish_s if trained else None, staleness)
         return await self._report(taken, built, staleness, seen, metrics, clock)
+
+    def _learn(self, records: Sequence[Record]) -> dict[str, float]:
+        """The learner's step (in a worker thread), then a small policy's freed heap back to the kernel
+        (``memory.release_free_heap``: the step's pages come back once per step, not once per tensor)."""
+        metrics = self.learner.step(records)
+        release_free_heap()
+        return metrics
 
     async def _checkpoint(self, step: int, new_version: int, taken: Taken) -> None:
         """Write the checkpoint (weights, optimizer, step, the step's groups), then consume the groups in the store:

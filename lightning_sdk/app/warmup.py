@@ -13,7 +13,7 @@ import torch
 from lightning_sdk.agent import Agent
 from lightning_sdk.app.loop import RunStopped, never
 from lightning_sdk.app.rl import evaluate
-from lightning_sdk.memory import warm_start_phase
+from lightning_sdk.memory import release_free_heap
 from lightning_sdk.policy.warm_start import warm_start
 
 if TYPE_CHECKING:
@@ -54,16 +54,16 @@ async def run_warm_start(job: Job, agent: Agent, stop: Callable[[], bool] = neve
         note(f"warm start eval {rounds}: {100 * success:.1f}% on {len(val)} validation tasks")
         return success
 
-    with warm_start_phase():  # a small policy's steps keep their 2-8 MiB activations in the heap (memory.py)
-        result = await asyncio.to_thread(
-            warm_start,
-            model,
-            loop.engine.tokenizer,
-            job.tasks.demonstrations,
-            evaluate_model,
-            job.config.warm_start,
-            stop,
-        )
+    result = await asyncio.to_thread(
+        warm_start,
+        model,
+        loop.engine.tokenizer,
+        job.tasks.demonstrations,
+        evaluate_model,
+        job.config.warm_start,
+        stop,
+    )
+    release_free_heap()  # a small policy's steps left their freed activations in the heap (memory.py)
     if result.stopped:
         raise RunStopped(loop.step)
     loop.learner.reset_optimizer()  # the supervised steps moved the weights the optimizer's moments were for

@@ -89,4 +89,4 @@ def test_the_calc_example_config_turns_both_on() -> None:
 
     config = load_train_config(EXAMPLE)
     assert config.rl.target_gain == pytest.approx(0.30) and config.rl.replay_share == pytest.approx(0.5)
-    assert config.learner.micro_batch_tokens == 2048 and config.learner.pack  # packed micro-batches of 2048 tokens
+    assert config.learner.micro_batch_tokens == 1024 and config.learner.pack  # packed micro-batches of 1024 tokens

@@ -27,7 +27,8 @@ from tests.trainer.tiny import write_config as _write_config
 def _train(config: Path, out: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
     return subprocess.Popen(
-        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
+        # the console script's own entry (lightning_sdk.cli.main: its malloc settings and OpenMP waits included)
+        [sys.executable, "-m", "lightning_sdk", "train", str(config), "--output", str(out)],
         cwd=str(ROOT),
         env=env,
         stdout=subprocess.PIPE,
@@ -84,6 +85,11 @@ def test_train_end_to_end_writes_the_summary(tmp_path: Path, small_policy: Path)
     assert summary["wall_s"] > 0
     assert summary["eval_sampling"] == {"temperature": 0.0, "max_tokens": 24}
     assert summary["warm_start"]["steps"] == 4
+    # a small policy's process (lightning_sdk/memory.py): its step tensors from the heap (8 MiB threshold), the freed
+    # heap given back after the warm start and after each of the 4 learner steps
+    malloc = summary["malloc"]
+    assert malloc["small_policy"] is True and malloc["mmap_threshold"] == 8 << 20
+    assert malloc["trims"] == 1 + 4 and malloc["released_mb"] >= 0
     model_dir = Path(summary["model_dir"])
     assert (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
