@@ -31,8 +31,10 @@ GB on the EPYC. So after each learner step, and at the warm start's end, a small
 kernel (``release_free_heap``: ``malloc_trim``, which also returns the free pages inside the heap, not only its
 top): the pages a step freed are faulted in again once by the next step (not once per tensor as under 1 MiB), and
 the main job on the EPYC peaked at 1.33 GB (1.36 GB at 1 MiB) with the warm start at 31-40 s instead of 64 s and the
-learner's CPU per trained token -33%. ``summary.json`` (``malloc``) records the thresholds, how many trims ran and
-what they gave back.
+learner's CPU per trained token -33%. A step still freed 400-500 MB into the heap before its end and one run
+peaked at 1.47 GB, so while the job runs ``guard_resident`` also trims whenever the process is above
+``RESIDENT_GUARD`` (1.2 GiB). ``summary.json`` (``malloc``) records the thresholds, how many trims ran and what
+they gave back.
 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the environment always win (glibc
 reads them at start; nothing here overrides them).
@@ -40,6 +42,7 @@ reads them at start; nothing here overrides them).
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import sys
@@ -48,8 +51,10 @@ from typing import Any
 
 __all__ = [
     "MMAP_THRESHOLD",
+    "RESIDENT_GUARD",
     "SMALL_POLICY_MMAP_THRESHOLD",
     "SMALL_POLICY_PARAMETERS",
+    "guard_resident",
     "limit_malloc",
     "malloc_settings",
     "mmap_threshold",
@@ -83,6 +88,7 @@ class _Settings:
     trim: int | None = None
     small_policy: bool = False  # tune_for_policy found a small policy (and set its threshold)
     trims: int = 0  # release_free_heap's trims
+    guard_trims: int = 0  # of which guard_resident's
     released: int = 0  # the resident bytes they gave back
 
 
@@ -161,15 +167,41 @@ def release_free_heap() -> int | None:
     return released
 
 
+RESIDENT_GUARD = 1200 << 20
+"""1.2 GiB: above this resident size a small policy's process gives its free heap back at once (``guard_resident``),
+not only after the learner's next step."""
+
+
+async def guard_resident(limit: int = RESIDENT_GUARD, every_s: float = 0.25, backoff_s: float = 5.0) -> None:
+    """For a small policy's job, until cancelled: every ``every_s`` seconds, once the process is above ``limit``
+    resident bytes, ``release_free_heap`` (in a worker thread). Between learner steps the engine's and the learner's
+    freed blocks pile up in the heap (400-500 MB a step in the calc example), and the peak comes within a step, not
+    at its end. A trim that gave back less than 32 MiB (what is resident is live) waits ``backoff_s`` before the
+    next, so a process that is simply that large is not trimmed four times a second. Returns at once for any other
+    process."""
+    if not _state.small_policy:
+        return
+    while True:
+        await asyncio.sleep(every_s)
+        if resident_bytes() <= limit:
+            continue
+        released = await asyncio.to_thread(release_free_heap)
+        _state.guard_trims += 1
+        if released is not None and released < 32 << 20:
+            await asyncio.sleep(backoff_s)
+
+
 def malloc_settings() -> dict[str, Any]:
     """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes now (None: left to glibc or the
     environment), ``small_policy`` (the small policy's settings in force), and ``trims`` / ``released_mb``: how often
-    ``release_free_heap`` ran and the resident MiB it gave back; ``summary.json`` records it."""
+    ``release_free_heap`` ran (``guard_trims`` of them by ``guard_resident``) and the resident MiB it gave back;
+    ``summary.json`` records it."""
     return {
         "mmap_threshold": _state.threshold,
         "trim_threshold": _state.trim,
         "small_policy": _state.small_policy,
         "trims": _state.trims,
+        "guard_trims": _state.guard_trims,
         "released_mb": _state.released >> 20,
     }
 

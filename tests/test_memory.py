@@ -124,20 +124,63 @@ def test_a_small_policy_keeps_its_step_tensors_in_the_heap_and_gives_freed_pages
     when the next micro-batch allocates them again), and release_free_heap (after each learner step) returns the
     64 MiB freed inside the heap, which glibc's own trimming of the heap's top never reaches."""
     out = _probe("3200000", code=TUNE)
-    assert out["settings"] == {
-        "mmap_threshold": 8 << 20, "trim_threshold": None, "small_policy": True, "trims": 0, "released_mb": 0,
-    }  # fmt: skip
+    none = {"trims": 0, "guard_trims": 0, "released_mb": 0}
+    assert out["settings"] == {"mmap_threshold": 8 << 20, "trim_threshold": None, "small_policy": True, **none}
     assert out["maps_1_5mib"] is False and out["maps_4mib"] is False
     assert out["released"] >= 48 << 20, out
     assert out["rss_drop"] >= 48 << 20, out
     assert out["after"]["trims"] == 1 and out["after"]["released_mb"] >= 48
 
 
+# the resident-size guard of a policy of argv[1] parameters: 64 MiB freed inside the heap, the guard (limit 1 byte,
+# every 10 ms, 30 s back-off) left to run 0.5 s
+GUARD = HEADER + textwrap.dedent(
+    """
+    import asyncio
+    from ctypes import memset
+
+    memory.limit_malloc()
+    memory.tune_for_policy(int(sys.argv[1]))
+    blocks = [libc.malloc(512 << 10) for _ in range(128)]
+    for b in blocks:
+        memset(b, 1, 512 << 10)
+    held = libc.malloc(512 << 10)
+    memset(held, 1, 512 << 10)
+    for b in blocks:
+        libc.free(b)
+
+    async def main():
+        guard = asyncio.create_task(memory.guard_resident(1, every_s=0.01, backoff_s=30.0))
+        await asyncio.sleep(0.5)
+        done = guard.done()
+        guard.cancel()
+        return done
+
+    out = {"returned": asyncio.run(main()), "after": memory.malloc_settings()}
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_guard_trims_above_its_limit_then_backs_off() -> None:
+    """Above its limit the guard gives the 64 MiB back at once (not waiting for a learner step); its next trim finds
+    almost nothing to give back and it waits its back-off (30 s) instead of trimming every 10 ms."""
+    out = _probe("3200000", code=GUARD)
+    assert out["returned"] is False  # still watching when cancelled
+    after = out["after"]
+    assert after["guard_trims"] == 2 and after["trims"] == 2, after
+    assert after["released_mb"] >= 48
+
+
+def test_the_guard_leaves_a_large_policy_alone() -> None:
+    out = _probe("135000000", code=GUARD)
+    assert out["returned"] is True and out["after"]["guard_trims"] == 0 and out["after"]["trims"] == 0
+
+
 def test_a_large_policy_keeps_one_mib_and_no_trims() -> None:
     out = _probe("135000000", code=TUNE)  # SmolLM2-135M
-    assert out["settings"] == {
-        "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "small_policy": False, "trims": 0, "released_mb": 0,
-    }  # fmt: skip
+    none = {"trims": 0, "guard_trims": 0, "released_mb": 0}
+    assert out["settings"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "small_policy": False, **none}
     assert out["maps_1_5mib"] is True and out["maps_4mib"] is True
     assert out["released"] is None and out["after"]["trims"] == 0
 

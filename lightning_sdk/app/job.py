@@ -37,6 +37,7 @@ from lightning_sdk.app.server import ProxyServer
 from lightning_sdk.app.view import MetricsLog, ProgressView
 from lightning_sdk.errors import ConfigError
 from lightning_sdk.listen import bind_socket, socket_url
+from lightning_sdk.memory import guard_resident
 from lightning_sdk.monitoring import OpsMetrics
 from lightning_sdk.policy.prepare import prepare_policy
 from lightning_sdk.proxy.sampling import SplitSampling
@@ -199,7 +200,11 @@ async def open_job(
                         )
                         job.model_dir = model_dir
                         job.mark("startup_s")
-                        yield job
+                        guard = asyncio.create_task(guard_resident())  # a small policy's peaks (memory.py)
+                        try:
+                            yield job
+                        finally:
+                            guard.cancel()
                     finally:  # the workers are done (or released their attempts) by now: the proxy stops next
                         await loop.flush_weights()
             finally:
