@@ -55,6 +55,7 @@ __all__ = [
     "SMALL_POLICY_MMAP_THRESHOLD",
     "SMALL_POLICY_PARAMETERS",
     "guard_resident",
+    "guard_step",
     "limit_malloc",
     "malloc_settings",
     "mmap_threshold",
@@ -172,23 +173,29 @@ RESIDENT_GUARD = 1200 << 20
 not only after the learner's next step."""
 
 
+def guard_step(limit: int = RESIDENT_GUARD, every_s: float = 0.25, backoff_s: float = 5.0) -> float:
+    """One look of ``guard_resident``: above ``limit`` resident bytes, ``release_free_heap``. Returns the seconds to
+    wait before the next look: ``every_s``, or ``backoff_s`` after a trim that gave back less than 32 MiB (what is
+    resident is live: a process that is simply that large is not trimmed four times a second)."""
+    if resident_bytes() <= limit:
+        return every_s
+    released = release_free_heap()
+    if released is None:
+        return every_s
+    _state.guard_trims += 1
+    return backoff_s if released < 32 << 20 else every_s
+
+
 async def guard_resident(limit: int = RESIDENT_GUARD, every_s: float = 0.25, backoff_s: float = 5.0) -> None:
-    """For a small policy's job, until cancelled: every ``every_s`` seconds, once the process is above ``limit``
-    resident bytes, ``release_free_heap`` (in a worker thread). Between learner steps the engine's and the learner's
-    freed blocks pile up in the heap (400-500 MB a step in the calc example), and the peak comes within a step, not
-    at its end. A trim that gave back less than 32 MiB (what is resident is live) waits ``backoff_s`` before the
-    next, so a process that is simply that large is not trimmed four times a second. Returns at once for any other
-    process."""
+    """For a small policy's job, until cancelled: a ``guard_step`` every ``every_s`` seconds (in a worker thread).
+    Between learner steps the engine's and the learner's freed blocks pile up in the heap (400-500 MB a step in the
+    calc example), and the peak comes within a step, not at its end. Returns at once for any other process."""
     if not _state.small_policy:
         return
+    wait = every_s
     while True:
-        await asyncio.sleep(every_s)
-        if resident_bytes() <= limit:
-            continue
-        released = await asyncio.to_thread(release_free_heap)
-        _state.guard_trims += 1
-        if released is not None and released < 32 << 20:
-            await asyncio.sleep(backoff_s)
+        await asyncio.sleep(wait)
+        wait = await asyncio.to_thread(guard_step, limit, every_s, backoff_s)
 
 
 def malloc_settings() -> dict[str, Any]:

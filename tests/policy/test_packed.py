@@ -210,8 +210,12 @@ def test_the_learner_packs_a_micro_batch_into_one_call_with_the_padded_update(po
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     if "kl_ref" in a:
         assert a["kl_ref"] == pytest.approx(b["kl_ref"], rel=1e-3, abs=1e-7)
+    # the weights after two Adam steps (lr 1e-3) within 1% of one step: Adam divides each element's update by its
+    # gradients' root mean square, so where the two passes' gradients nearly cancel it magnifies the fp32 rounding
+    # of two summation orders (measured on a 2-core AMD EPYC: 1.5e-6 on one LoRA A element, the gradients equal to
+    # 2.5e-5 relative); a packing error moves elements by the order of a whole step
     for (name, pa), (_, pb) in zip(packed.model.named_parameters(), padded.model.named_parameters(), strict=True):
-        assert torch.allclose(pa, pb, atol=1e-6), name
+        assert torch.allclose(pa, pb, atol=1e-5), name
     start = dict(base.named_parameters())
     moved = max(float((pa - start[name]).detach().abs().max()) for name, pa in packed.model.named_parameters())
     assert moved > 1e-4  # the step did move the weights
