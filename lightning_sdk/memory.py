@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class _Settings:
 _state = _Settings()
 
 
+@functools.cache  # one handle for the process: the guard and each learner step ask for it
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
