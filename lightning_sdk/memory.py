@@ -33,7 +33,7 @@ top): the pages a step freed are faulted in again once by the next step (not onc
 the main job on the EPYC peaked at 1.33 GB (1.36 GB at 1 MiB) with the warm start at 31-40 s instead of 64 s and the
 learner's CPU per trained token -33%. A step still freed 400-500 MB into the heap before its end and one run
 peaked at 1.47 GB, so while the job runs ``guard_resident`` also trims whenever the process is above
-``RESIDENT_GUARD`` (1.2 GiB). ``summary.json`` (``malloc``) records the thresholds, how many trims ran and what
+``RESIDENT_GUARD`` (1.2 GiB). ``summary.json`` (``malloc``) records the threshold, how many trims ran and what
 they gave back.
 
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_ARENA_MAX`` in the environment always win (glibc
@@ -63,7 +63,6 @@ __all__ = [
     "release_free_heap",
     "resident_bytes",
     "set_mmap_threshold",
-    "set_trim_threshold",
     "tune_for_policy",
 ]
 
@@ -77,8 +76,7 @@ after each learner step (``release_free_heap``); SmolLM2-135M and larger keep 1 
 SMALL_POLICY_MMAP_THRESHOLD = 8 << 20
 """8 MiB: a small policy's step tensors (1-8 MiB) come from the heap (``tune_for_policy``)."""
 
-_M_TRIM_THRESHOLD = -1  # from glibc's malloc.h
-_M_ARENA_MAX = -8
+_M_ARENA_MAX = -8  # from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
 
@@ -87,7 +85,6 @@ class _Settings:
     """What this module set in this process (None: never set)."""
 
     threshold: int | None = None
-    trim: int | None = None
     small_policy: bool = False  # tune_for_policy found a small policy (and set its threshold)
     trims: int = 0  # release_free_heap's trims
     guard_trims: int = 0  # of which guard_resident's
@@ -127,12 +124,6 @@ def set_mmap_threshold(nbytes: int) -> bool:
 def mmap_threshold() -> int | None:
     """The threshold this module last set (None: it never set one)."""
     return _state.threshold
-
-
-def set_trim_threshold(nbytes: int) -> bool:
-    """Let glibc keep up to ``nbytes`` of free memory at the top of each heap before returning it to the kernel;
-    False where there is no glibc to tell or the user chose one (``MALLOC_TRIM_THRESHOLD_``)."""
-    return _set(_M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", "trim", nbytes)
 
 
 def tune_for_policy(parameters: int) -> dict[str, Any]:
@@ -201,13 +192,12 @@ async def guard_resident(limit: int = RESIDENT_GUARD, every_s: float = 0.25, bac
 
 
 def malloc_settings() -> dict[str, Any]:
-    """What this module set: ``mmap_threshold`` and ``trim_threshold`` in bytes now (None: left to glibc or the
-    environment), ``small_policy`` (the small policy's settings in force), and ``trims`` / ``released_mb``: how often
+    """What this module set: ``mmap_threshold`` in bytes now (None: left to glibc or the environment),
+    ``small_policy`` (the small policy's settings in force), and ``trims`` / ``released_mb``: how often
     ``release_free_heap`` ran (``guard_trims`` of them by ``guard_resident``) and the resident MiB it gave back;
     ``summary.json`` records it."""
     return {
         "mmap_threshold": _state.threshold,
-        "trim_threshold": _state.trim,
         "small_policy": _state.small_policy,
         "trims": _state.trims,
         "guard_trims": _state.guard_trims,

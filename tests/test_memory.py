@@ -125,7 +125,7 @@ def test_a_small_policy_keeps_its_step_tensors_in_the_heap_and_gives_freed_pages
     64 MiB freed inside the heap, which glibc's own trimming of the heap's top never reaches."""
     out = _probe("3200000", code=TUNE)
     none = {"trims": 0, "guard_trims": 0, "released_mb": 0}
-    assert out["settings"] == {"mmap_threshold": 8 << 20, "trim_threshold": None, "small_policy": True, **none}
+    assert out["settings"] == {"mmap_threshold": 8 << 20, "small_policy": True, **none}
     assert out["maps_1_5mib"] is False and out["maps_4mib"] is False
     assert out["released"] >= 48 << 20, out
     assert out["rss_drop"] >= 48 << 20, out
@@ -176,7 +176,7 @@ def test_the_guard_leaves_a_large_policy_alone() -> None:
 def test_a_large_policy_keeps_one_mib_and_no_trims() -> None:
     out = _probe("135000000", code=TUNE)  # SmolLM2-135M
     none = {"trims": 0, "guard_trims": 0, "released_mb": 0}
-    assert out["settings"] == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": None, "small_policy": False, **none}
+    assert out["settings"] == {"mmap_threshold": MMAP_THRESHOLD, "small_policy": False, **none}
     assert out["maps_1_5mib"] is True and out["maps_4mib"] is True
     assert out["released"] is None and out["after"]["trims"] == 0
 

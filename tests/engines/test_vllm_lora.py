@@ -30,6 +30,7 @@ from lightning_sdk.errors import EngineError
 from lightning_sdk.policy.model import load_policy
 from lightning_sdk.trainer.learner import Learner, LearnerConfig, LoraSettings
 from tests.engines.test_vllm_real import vllm_python
+from tests.support.engine_servers import start_together
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -114,22 +115,32 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     ]
     static = ["--lora-modules", f"fresh-a1={adapters[0]}", f"fresh-a2={adapters[1]}"]
     fresh: dict[str, Answers] = {}
-    with launch_vllm(
-        base, python=vllm_python(), extra_args=EXTRA_ARGS + static, lora_rank=8, log_path=root / "fresh.log"
-    ) as srv:
+    # the fresh server (both adapters static) and the shared one (base alone) start side by side
+    srv, server = start_together(
+        lambda: launch_vllm(
+            base, python=vllm_python(), extra_args=EXTRA_ARGS + static, lora_rank=8, log_path=root / "fresh.log"
+        ),
+        lambda: launch_vllm(
+            base, python=vllm_python(), extra_args=EXTRA_ARGS, lora_rank=8, log_path=root / "server.log"
+        ),
+    )
+    try:
+        with srv:
 
-        async def record() -> None:
-            for key, model_name in (("base", "policy"), ("a1", "fresh-a1"), ("a2", "fresh-a2")):
-                engine = VLLMEngine(srv.url, model=model_name)
-                try:
-                    fresh[key] = await answers(engine, prompts)
-                    if key == "a2":
-                        fresh["a2-stream"] = await answers(engine, prompts, stream=True)
-                finally:
-                    await engine.close()
+            async def record() -> None:
+                for key, model_name in (("base", "policy"), ("a1", "fresh-a1"), ("a2", "fresh-a2")):
+                    engine = VLLMEngine(srv.url, model=model_name)
+                    try:
+                        fresh[key] = await answers(engine, prompts)
+                        if key == "a2":
+                            fresh["a2-stream"] = await answers(engine, prompts, stream=True)
+                    finally:
+                        await engine.close()
 
-        asyncio.run(record())
-    server = launch_vllm(base, python=vllm_python(), extra_args=EXTRA_ARGS, lora_rank=8, log_path=root / "server.log")
+            asyncio.run(record())
+    except BaseException:
+        server.stop()
+        raise
     try:
         yield Setup(base, adapters, prompts, fresh, server)
     finally:

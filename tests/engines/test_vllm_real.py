@@ -26,6 +26,7 @@ from lightning_sdk.engines.launch import ManagedServer, launch_vllm
 from lightning_sdk.engines.vllm import VLLMEngine
 from lightning_sdk.errors import EngineError
 from lightning_sdk.policy.model import TinyPolicyConfig, build_policy, load_policy
+from tests.support.engine_servers import start_together
 from tests.trainer.tiny import corpus
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]  # server start-ups count against the timeout
@@ -125,9 +126,14 @@ def policy(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         finally:
             await engine.close()
 
-    with start(v0, root / "fresh-v0.log") as fresh:
-        fresh_v0 = asyncio.run(record(fresh.url))
-    server = start(v1, root / "server.log")
+    # both servers start side by side (start_together): the fresh one on v0 is stopped once it has answered
+    fresh, server = start_together(lambda: start(v0, root / "fresh-v0.log"), lambda: start(v1, root / "server.log"))
+    try:
+        with fresh:
+            fresh_v0 = asyncio.run(record(fresh.url))
+    except BaseException:
+        server.stop()
+        raise
     try:
         yield Policy(name, v0, v1, prompts, fresh_v0, server, asyncio.run(record(server.url)))
     finally:
