@@ -50,6 +50,7 @@ from transformers.cache_utils import DynamicLayer
 
 from lightning_sdk.engines.base import Engine, Generation, GenerationDelta, Sampling
 from lightning_sdk.errors import EngineError
+from lightning_sdk.policy.attention import use_gqa_attention
 
 __all__ = ["AdapterEngine", "EmbeddedEngine", "PrefixCache"]
 
@@ -204,49 +205,6 @@ class PrefixCache:
         return 0, None
 
 
-#: the engine's attention: PyTorch's SDPA with grouped keys/values kept grouped (see ``_sdpa_gqa``)
-_ATTENTION = "lightning_sdk_sdpa_gqa"
-
-
-def _sdpa_gqa(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Transformers' SDPA attention, but a masked call on grouped-query models (SmolLM2: 9 query heads over 3
-    key/value heads) asks SDPA for ``enable_gqa`` instead of first repeating the keys and values to every query head.
-    The engine always passes a mask (left-padded rows), and on CPU transformers repeats them whenever there is one:
-    at a 5.8k-token cache that copy was 83 ms of a layer's 85 in a decode step of four rows (2.5 s a step); with
-    ``enable_gqa`` the layer takes 8-12 ms, the same values."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = int(getattr(module, "num_key_value_groups", 1))
-    if attention_mask is None or groups == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _use_gqa_attention(model: PreTrainedModel) -> None:
-    """Serve ``model`` (the engine's own copy) with ``_sdpa_gqa`` where it runs transformers' SDPA."""
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(_ATTENTION, _sdpa_gqa)
-    AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(_ATTENTION)
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     """The number of leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -285,7 +243,7 @@ class EmbeddedEngine(Engine):
         self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.to(self._device)  # type: ignore[arg-type]
         model.eval()  # type: ignore[no-untyped-call]
-        _use_gqa_attention(model)
+        use_gqa_attention(model)  # a masked call (always: left-padded rows) keeps grouped keys/values grouped
         self._model = model
         self._tokenizer = tokenizer
         self._max_batch_size = max_batch_size

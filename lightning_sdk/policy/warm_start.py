@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lightning_sdk.errors import TokenizationError
+from lightning_sdk.policy.attention import use_gqa_attention
 from lightning_sdk.policy.packed import pack_rows, packed_logits, supports_packing
 from lightning_sdk.precision import Precision, autocast, wants_bf16
 
@@ -267,6 +268,7 @@ def warm_start(
     """
     cfg = config or WarmStartConfig()
     t0 = time.perf_counter()
+    use_gqa_attention(model)  # a shared prefix's rows, or padded rows, pass a mask: keys/values kept grouped
     rows = [row for d in demonstrations for row in render_demonstration_rows(tokenizer, d["messages"], d.get("tools"))]
     rng = random.Random(cfg.seed)
     device = next(model.parameters()).device

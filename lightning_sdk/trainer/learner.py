@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers import PreTrainedModel
 
 from lightning_sdk.errors import TrainerError
+from lightning_sdk.policy.attention import use_gqa_attention
 from lightning_sdk.policy.packed import Pack, pack_rows, packed_token_logprobs, supports_packing
 from lightning_sdk.precision import autocast, cpu_has_bf16, wants_bf16
 from lightning_sdk.records.batch import build_batch
@@ -295,6 +296,7 @@ class Learner(LearnerLike):
         self.pad_id = pad_id
         if self.config.kl_coef > 0 and self.config.lora is not None:
             raise TrainerError("learner.kl_coef with learner.lora: not supported (the reference would be the base)")
+        use_gqa_attention(model)  # padded rows and a shared prefix's rows pass a mask: keys/values kept grouped
         self.reference: PreTrainedModel | None = None
         if self.config.kl_coef > 0:
             self.reference = copy.deepcopy(model)
