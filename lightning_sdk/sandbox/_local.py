@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -351,15 +351,28 @@ def _remove_cgroups(cgroups: Sequence[str], wait_s: float = 2.0) -> None:
                 time.sleep(0.02)
 
 
-def reap_leftovers(root: str | os.PathLike[str] | None = None, *, min_age_s: float = 10.0) -> int:
+def reap_leftovers(
+    root: str | os.PathLike[str] | None = None,
+    *,
+    min_age_s: float = 10.0,
+    only: Collection[str] | None = None,
+    young: list[str] | None = None,
+) -> int:
     """Remove sandboxes under ``root`` whose owner process is gone (killed with SIGKILL, crashed): kill their
-    processes, delete their cgroups and directories. Returns how many sandboxes were reaped."""
+    processes, delete their cgroups and directories. Returns how many sandboxes were reaped.
+
+    A directory with content but no metadata yet is a creation cut short, or one still under way: it is reaped only
+    once ``min_age_s`` old; the younger ones' names go into ``young`` (``LocalBackend`` comes back for them, so a
+    run restarted right after a kill does not keep them for its whole life). ``only``: look at these names alone
+    (and at the uid claims they hold), nothing else under ``root``."""
     base = Path(root) if root is not None else default_root()
     if not base.is_dir():
         return 0
     reaped = 0
     for directory in base.iterdir():
         if not directory.is_dir() or directory.name == _UIDS:
+            continue
+        if only is not None and directory.name not in only:
             continue
         if directory.name.startswith(_DOOMED):  # a removal cut short (its processes were killed before it began)
             shutil.rmtree(directory, ignore_errors=True)
@@ -377,6 +390,8 @@ def reap_leftovers(root: str | os.PathLike[str] | None = None, *, min_age_s: flo
                 continue
             try:  # half-created (no metadata yet): only reap when old enough that its creator gave up or died
                 if time.time() - directory.stat().st_mtime < min_age_s:
+                    if young is not None:
+                        young.append(directory.name)
                     continue
             except OSError:
                 continue
@@ -395,8 +410,10 @@ def reap_leftovers(root: str | os.PathLike[str] | None = None, *, min_age_s: flo
         for claim in (base / _UIDS).iterdir():
             with contextlib.suppress(OSError, ValueError):
                 holder = claim.read_text()
-                young = time.time() - claim.stat().st_mtime < min_age_s
-                if (holder or not young) and not (base / holder).exists():
+                if only is not None and holder not in only:
+                    continue
+                fresh = time.time() - claim.stat().st_mtime < min_age_s
+                if (holder or not fresh) and not (base / holder).exists():
                     _kill_uid(int(claim.name))
                     claim.unlink()
         (base / _UIDS).rmdir()
@@ -888,7 +905,8 @@ def _uid_range(value: Sequence[int] | str | None) -> tuple[int, int]:
 class LocalBackend:
     """Sandboxes as directories under ``root`` (default ``$TMPDIR/lightning-sandboxes``), at most ``max_sandboxes``
     at once; ``create`` waits up to ``create_timeout_s`` for a slot. Creating a backend reaps leftovers of dead
-    owners under the same root."""
+    owners under the same root, and the half-created ones too young to judge (``reap_min_age_s``) once they are old
+    enough."""
 
     name = "local"
 
@@ -901,6 +919,7 @@ class LocalBackend:
         isolation: str | None = None,
         uid_range: Sequence[int] | str | None = None,
         readable: Sequence[str] | str = (),
+        reap_min_age_s: float = 10.0,
     ) -> None:
         if int(max_sandboxes) < 1:
             raise SandboxError(f"max_sandboxes must be >= 1, got {max_sandboxes}")
@@ -930,8 +949,31 @@ class LocalBackend:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise SandboxError(f"cannot create the sandbox root {self.root}: {exc}") from exc
-        self.reaped = reap_leftovers(self.root) if reap else 0
+        young: list[str] = []
+        self.reaped = reap_leftovers(self.root, min_age_s=reap_min_age_s, young=young) if reap else 0
+        if young:  # creations cut short moments ago (a restart right after a kill): reaped once old enough
+            self._reap_later(young, reap_min_age_s, tries=5)
         atexit.register(self._close_all_now)
+
+    def _reap_later(self, names: list[str], min_age_s: float, tries: int) -> None:
+        """In ``min_age_s`` seconds, reap the half-created sandboxes ``names`` whose creator is gone (a daemon timer;
+        again, up to ``tries`` times, for those still being written to)."""
+
+        def run() -> None:
+            still: list[str] = []
+            try:
+                reaped = reap_leftovers(self.root, min_age_s=min_age_s, only=set(names), young=still)
+            except OSError:
+                logger.exception("reaping the half-created sandboxes %s failed", names)
+                return
+            with self._lock:
+                self.reaped += reaped
+            if still and tries > 1:
+                self._reap_later(still, min_age_s, tries - 1)
+
+        timer = threading.Timer(min_age_s, run)
+        timer.daemon = True
+        timer.start()
 
     def describe(self) -> dict[str, str]:
         """``describe_enforcement`` for this backend's isolation."""

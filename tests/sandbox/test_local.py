@@ -254,6 +254,27 @@ def test_removals_and_creations_cut_short_are_reaped_at_the_next_start_whatever_
     assert sorted(p.name for p in root.iterdir()) == ["aaaabbbbccccdddd"]
 
 
+def test_a_creation_cut_short_moments_before_the_start_is_reaped_once_old_enough(tmp_path: Path) -> None:
+    """A run SIGKILLed while it was creating a sandbox (its directory made, its metadata not yet written) and
+    restarted at once: at the start the directory is too young to judge (its creator might still be writing it), so
+    the backend comes back for it once it is ``reap_min_age_s`` old instead of keeping it for the run's whole life
+    (CI on 2026-12-07: tests/examples/test_coding_kill.py waited 240 s for such a directory). A live sandbox under
+    the same root is left alone."""
+    root = tmp_path / "boxes"
+    LocalBackend(root=tmp_path / "warm")  # the user-isolation probe, once, so the next start is quick
+    live = LocalBackend(root=root)
+    box = asyncio.run(live.create(FILES))
+    cut = root / "0123456789abcdef"
+    (cut / "tmp").mkdir(parents=True)
+    (cut / "sandbox.json.tmp").write_text("")  # killed between opening its metadata and writing it
+    backend = LocalBackend(root=root, reap_min_age_s=3.0)
+    assert backend.reaped == 0 and cut.exists()  # too young at the start
+    until(lambda: not cut.exists(), timeout=30, what="the half-created sandbox to be reaped", every=0.05)
+    assert backend.reaped == 1
+    assert box.directory.exists() and sorted(p.name for p in root.iterdir() if p.name != ".uids") == [box.id]
+    asyncio.run(box.close())
+
+
 async def test_closing_leaves_no_directory_and_no_metadata_is_ever_partial(backend: LocalBackend) -> None:
     box = await backend.create(FILES)
     meta = json.loads((box.directory / "sandbox.json").read_text())
