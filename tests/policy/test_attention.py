@@ -54,7 +54,7 @@ def test_masked_passes_equal_transformers_sdpa(prefix: int) -> None:
         assert torch.allclose(g, ref_grads[name], atol=1e-5), name
 
 
-def test_the_learner_trains_with_grouped_attention_and_lora() -> None:
+def test_the_learner_sets_grouped_attention_on_its_lora_model() -> None:
     learner = Learner(_llama(), LearnerConfig(lora=LoraSettings(rank=4, alpha=8.0), share_prefix=8))
     assert learner.model.config._attn_implementation == GQA_ATTENTION
 
