@@ -223,7 +223,12 @@ class ChatRenderer:
     def _stop_token_ids(self) -> frozenset[int]:
         """The family's end-of-turn tokens, the tokenizer's EOS and the generation config's EOS ids, checked: the
         template's end of turn must be one token of the vocabulary, and the EOS must not be the token that opens a
-        turn (a GGUF conversion once gave SmolLM2 ``eos_token = "<|im_start|>"``)."""
+        turn (a GGUF conversion once gave SmolLM2 ``eos_token = "<|im_start|>"``).
+
+        A ChatML family also stops at the token that opens a turn: a reply that opens a new turn (a small model
+        writes ``<|im_start|>system`` where its turn should end) has ended its own, and sampling on would write a
+        made-up system or user turn into the reply (Ollama's ChatML models stop there too). The sampled token is
+        kept in the call's ids like any stop; the bridge closes the turn with the template's end marker after it."""
         ids: set[int] = set()
         for marker in self.family.stops:
             tid = self.token_id(marker)
@@ -242,6 +247,10 @@ class ChatRenderer:
                 f"{self.name}: the tokenizer's eos_token is {eos_text!r}, the token that opens a turn; its config is "
                 f"wrong (set eos_token to the end-of-turn token {self.family.stops[0]!r})"
             )
+        if opening is not None:
+            tid = self.token_id(opening)
+            if tid is not None:
+                ids.add(tid)
         if isinstance(eos, int):
             ids.add(eos)
         vocab = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
@@ -257,7 +266,7 @@ class ChatRenderer:
         return tuple(sorted({self.decode([tid]) for tid in self.stop_token_ids}, key=len, reverse=True))
 
 
-#: The token that opens a turn, by family: never an EOS.
+#: The token that opens a turn, by family: never an EOS, but a stop (a reply that opens a turn has ended).
 _TURN_OPENINGS = {"chatml": "<|im_start|>", "qwen2.5": "<|im_start|>", "qwen3": "<|im_start|>"}
 
 

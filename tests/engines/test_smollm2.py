@@ -145,7 +145,7 @@ async def test_smollm2_served_by_the_embedded_engine_and_trained_through_the_pro
 async def test_smollm2_in_token_mode_stops_at_its_end_of_turn(tmp_path: Path) -> None:
     """SmolLM2 served by the embedded engine behind the proxy in token mode (its template probed: the hermes tool
     format; stops from its generation config): greedy replies, with and without tools, end at a stop id of the
-    model (``<|im_end|>``, or ``<|endoftext|>``), and no reply carries a special token as text."""
+    model (``<|im_end|>``, ``<|endoftext|>`` or ``<|im_start|>``), and no reply carries a special token as text."""
     import openai
 
     from lightning_sdk.engines.embedded import EmbeddedEngine
@@ -157,7 +157,7 @@ async def test_smollm2_in_token_mode_stops_at_its_end_of_turn(tmp_path: Path) ->
     path = smollm2.prepare_smollm2()
     engine = EmbeddedEngine.from_pretrained(path)
     renderer = ChatRenderer.for_policy(engine.tokenizer, name="smollm2-135m")
-    assert renderer.template_source == "builtin:hermes" and renderer.stop_token_ids == {0, 2}
+    assert renderer.template_source == "builtin:hermes" and renderer.stop_token_ids == {0, 1, 2}
     specials = [t for t in engine.tokenizer.all_special_tokens if t]
     assert "<|im_end|>" in specials and "<|im_start|>" in specials
     # (greedy SmolLM2 answers these in 20-30 tokens; a tool request only checks that the tools reach the prompt:

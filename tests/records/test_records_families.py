@@ -47,7 +47,7 @@ class _Agent:
 
     def call(self, messages: list[dict[str, Any]], reply: dict[str, Any], sampled_text: str) -> None:
         rp = render_prompt(self.r, messages, TOOLS, self.prior, policy=self.policy)  # type: ignore[arg-type]
-        completion = [*self.r.encode(sampled_text), min(self.r.stop_token_ids)]
+        completion = [*self.r.encode(sampled_text), self.r.token_id(self.r.family.stops[0])]
         seq = len(self.calls)
         self.calls.append(
             Call(

@@ -72,7 +72,7 @@ _O200K_PATTERN = "|".join(
 
 def test_stop_ids_are_the_turn_ends() -> None:
     qwen = renderer_for("qwen3")
-    assert qwen.stop_token_ids == {qwen.token_id("<|im_end|>")}
+    assert qwen.stop_token_ids == {qwen.token_id("<|im_end|>"), qwen.token_id("<|im_start|>")}  # a new turn ends it
     oss = renderer_for("gpt-oss")
     assert oss.stop_token_ids == {200002, 200012}  # <|return|>, <|call|>; <|end|> only closes a message
     llama = renderer_for("llama3.1")

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from lightning_sdk.errors import TemplateFeatureError, TokenizationError
 from lightning_sdk.policy.smollm2 import prepare_smollm2
 from lightning_sdk.proxy.token_mode import TokenModeBackend, forced_tool_prefix
+from lightning_sdk.records.segments import merge_attempt
 from lightning_sdk.tokens import BUILTIN_TEMPLATES, ChatRenderer, get_parser
 from tests.support.proxy import ProxyHandle, run_proxy
 from tests.surfaces.conftest import one_segment, recorded_calls
@@ -107,8 +108,9 @@ def test_smollm2_template_drops_tools_and_is_served_with_the_hermes_format() -> 
     for tool in TOOLS:
         assert json.dumps(tool, ensure_ascii=False) in system_turn
     assert len(ids) > len(own.render(msgs)) + 100
-    # stops from the model: <|im_end|> (the template's end of turn and the EOS) and <|endoftext|> (generation config)
-    assert served.stop_token_ids == {2, 0}
+    # stops from the model: <|im_end|> (the template's end of turn and the EOS), <|endoftext|> (generation config)
+    # and <|im_start|> (a reply that opens a turn has ended its own)
+    assert served.stop_token_ids == {2, 0, 1}
 
 
 def test_rendered_calls_parse_back_and_the_forced_opening_is_their_start() -> None:
@@ -179,7 +181,7 @@ def test_stop_ids_are_checked_at_load() -> None:
         ChatRenderer(tok)
     with pytest.raises(TokenizationError, match="not in the vocabulary"):
         ChatRenderer(smollm2_tokenizer(), eos_token_ids=[10**6])
-    assert ChatRenderer(smollm2_tokenizer(), eos_token_ids=[2]).stop_token_ids == {2}
+    assert ChatRenderer(smollm2_tokenizer(), eos_token_ids=[2]).stop_token_ids == {2, 1}
 
 
 # -- through the proxy: the three API surfaces ------------------------------------------------------------------
@@ -223,6 +225,53 @@ def test_chat_completions_tool_round_trip_with_smollm2(tmp_path: Path) -> None:
         assert second.choices[0].message.content == "It is 18C in Paris."
         assert px.finish(s["token"]).status_code == 200
         _check_calls(px, s["rollout_id"], engine, 2)
+
+
+def test_a_reply_that_opens_a_turn_ends_there_and_the_next_call_extends_it(tmp_path: Path) -> None:
+    """What Codex CI saw (stop 40): SmolLM2 wrote a tool call with one brace too many and then ``<|im_start|>``.
+    ``<|im_start|>`` is a stop of the served renderer, so the proxy asks the engine to stop there (the engine's stop
+    ids are tested on the real embedded engine in tests/engines/test_embedded.py; the scripted engine returns the
+    ids a stopping engine returns). The reply carries no special token as text, streamed or not; the call keeps the
+    sampled ``<|im_start|>``; the follow-up call's prompt closes that turn with ``<|im_end|>`` and extends the first
+    call, so the two merge into one trained segment."""
+    served = smollm2()
+    opening = served.token_id("<|im_start|>")
+    assert opening is not None and opening in served.stop_token_ids
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}}'
+    plans: list[Plan] = [[*served.encode(broken), opening], [*served.encode(broken), opening], assistant("Sorry.")]
+    with _proxy(tmp_path, served, plans) as (px, engine):
+        s = px.session()
+        client = openai.OpenAI(base_url=f"{px.url}/v1", api_key=s["token"], max_retries=0)
+        msgs: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)  # type: ignore[arg-type]
+        got = first.choices[0].message
+        assert first.choices[0].finish_reason == "stop" and not got.tool_calls
+        assert got.content == broken  # the text as sampled, up to the stop and without it
+        chunks = client.chat.completions.create(
+            model="policy",
+            messages=msgs,
+            tools=TOOLS,
+            stream=True,  # type: ignore[arg-type]
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == broken
+        msgs += [{"role": "assistant", "content": got.content}, {"role": "user", "content": "That failed."}]
+        second = client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)  # type: ignore[arg-type]
+        assert second.choices[0].message.content == "Sorry."
+        assert px.finish(s["token"]).status_code == 200
+        calls = recorded_calls(px, s["rollout_id"])
+    assert all(opening in sampling.stop_token_ids for sampling in engine.sampling)
+    assert [c.completion_ids[-1] for c in calls[:2]] == [opening, opening]
+    first_call, last_call = calls[0], calls[2]
+    assert last_call.prompt_ids[: len(first_call.prompt_ids) + len(first_call.completion_ids)] == [
+        *first_call.prompt_ids,
+        *first_call.completion_ids,
+    ]
+    bridge = served.decode(last_call.prompt_ids[len(first_call.prompt_ids) + len(first_call.completion_ids) :])
+    assert bridge.startswith("<|im_end|>\n<|im_start|>user\nThat failed.<|im_end|>")
+    # the first call and its follow-up are one line; the streamed retry of the same messages is a branch
+    merged = merge_attempt([first_call, last_call])
+    assert len(merged.segments) == 1 and len(merged.segments[0].spans) == 2
 
 
 def test_responses_tool_round_trip_with_smollm2(tmp_path: Path) -> None:

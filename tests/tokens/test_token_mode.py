@@ -63,7 +63,7 @@ class ScriptedEngine(Engine):
     def _sample(self, input_ids: list[int], sampling: Sampling) -> tuple[list[int], list[float], str]:
         plan = self.plans.pop(0)
         if isinstance(plan, int):
-            stop = min(self.renderer.stop_token_ids)
+            stop = self.renderer.token_id(self.renderer.family.stops[0])
             ids = [self.rng.choice(self.vocab) for _ in range(plan)] + [stop]
         elif isinstance(plan, list):
             ids = list(plan)
