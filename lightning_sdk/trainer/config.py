@@ -118,6 +118,12 @@ class RLConfig(_Section):
         ge=1,
         description="with target_gain: RL steps between two held-out checks, at least (the first: after RL began)",
     )
+    recheck_min_steps: int = Field(
+        2,
+        ge=1,
+        description="with target_gain: after a check that missed, a re-check where the held-out progress so far "
+        "projects the target comes at least this many steps later (at most check_min_steps; trainer/stopping.py)",
+    )
     replay_share: float = Field(
         0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
     )

@@ -61,12 +61,16 @@ class GainTarget:
     of ``TaskSampler`` do not bias it). Once the success over the last ``window`` fresh rollouts reaches
     ``baseline + gain + margin`` (``baseline``: held-out success before RL), ``due()`` turns true: RL pauses and the
     held-out evaluation runs. ``reached(success)`` says whether that evaluation met the target; if not, RL goes on
-    and the next check comes at least ``min_steps`` steps later, when the rolling success reaches a higher trigger
-    (``margin`` grows by ``bump``) or, sooner, at the step where the held-out progress so far (points per step since
-    RL began, from the checks) says the target is met, whichever comes first. (The sampled success is noisy and
-    runs below greedy held-out success, so after a first check the measured held-out rate is the better guide: on
-    the calc example the second check came 12-18 steps after the first with the trigger alone, overshooting the
-    target by up to 12 points.)
+    and the next check comes when the rolling success reaches a higher trigger (``margin`` grows by ``bump``; at
+    least ``min_steps`` steps after the last check) or, sooner, at the step where the held-out progress measured so
+    far says the target is met (at least ``recheck_min_steps`` after the last check), whichever comes first. The
+    progress is the held-out points per step between the last two checks, or since RL began while there is one
+    check (or when the last two show none): the slower of the two where both are known, because the climb slows
+    near the target. (The sampled success is noisy and runs below greedy held-out success, so after a first check
+    the measured held-out rate is the better guide: on the calc example the second check came 12-18 steps after the
+    first with the trigger alone, overshooting the target by up to 12 points; with both re-checks held to
+    ``min_steps`` = 5, a check half a point short at step 22 was followed by one at step 27 that found 12 points
+    more than the target.)
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class GainTarget:
         margin: float = 0.0,
         window: int = 256,
         min_steps: int = 5,
+        recheck_min_steps: int | None = None,
         bump: float = 0.05,
     ) -> None:
         self.baseline = baseline
@@ -84,7 +89,9 @@ class GainTarget:
         self.margin = margin
         self.window = window
         self.min_steps = min_steps
+        self.recheck_min_steps = min_steps if recheck_min_steps is None else max(1, min(recheck_min_steps, min_steps))
         self.bump = bump
+        self._last_check: tuple[int, float] | None = None  # (step, held-out success) of the last check
         self.checks = 0
         self._outcomes: list[float] = []
         self._steps = 0
@@ -108,9 +115,14 @@ class GainTarget:
         self._since_check += 1
         self._outcomes = (self._outcomes + list(fresh_outcomes))[-self.window :]
         rolling = self.rolling
-        enough = len(self._outcomes) >= min(self.window, 64) and self._since_check >= self.min_steps
-        projected = self._projected is not None and self._steps >= self._projected
-        self._due = enough and ((rolling is not None and rolling >= self.trigger) or projected)
+        enough = len(self._outcomes) >= min(self.window, 64)
+        triggered = self._since_check >= self.min_steps and rolling is not None and rolling >= self.trigger
+        projected = (
+            self._projected is not None
+            and self._steps >= self._projected
+            and self._since_check >= self.recheck_min_steps
+        )
+        self._due = enough and (triggered or projected)
 
     def due(self) -> bool:
         return self._due
@@ -123,9 +135,15 @@ class GainTarget:
         if success - self.baseline >= self.gain:
             return True
         self.margin += self.bump
-        per_step = (success - self.baseline) / max(1, self._steps)
-        if per_step > 0:
-            self._projected = self._steps + math.ceil((self.baseline + self.gain - success) / per_step)
+        rates = [(success - self.baseline) / max(1, self._steps)]
+        if self._last_check is not None and self._steps > self._last_check[0]:
+            rates.append((success - self._last_check[1]) / (self._steps - self._last_check[0]))
+        self._last_check = (self._steps, success)
+        positive = [r for r in rates if r > 0]
+        self._projected = None
+        if positive:
+            steps = (self.baseline + self.gain - success) / min(positive)
+            self._projected = self._steps + math.ceil(round(steps, 6))  # 4.000000001 steps is 4
         return False
 
 

@@ -74,6 +74,53 @@ def test_after_a_miss_the_next_check_comes_where_held_out_progress_projects_the_
     assert target.due() and target.reached(0.5) is True and target.checks == 3
 
 
+def test_a_near_miss_is_checked_again_soon_at_the_recent_rate() -> None:
+    """The calc acceptance run in CI (stop 41's first .ci/run): checks at steps 17 (46%) and 22 (51.5%, half a point
+    short of +30 over 22%), then, with every re-check held to min_steps = 5, one at step 27 that found 64%. With
+    ``recheck_min_steps`` = 2 the re-check after 22 comes at step 24; the projection uses the slower of the rate
+    since RL began and the rate between the last two checks."""
+    target = GainTarget(0.22, 0.30, window=64, min_steps=5, recheck_min_steps=2)
+    for _ in range(16):
+        target.observe_step([0.0] * 64)
+    target.observe_step([1.0] * 64)  # step 17: the rolling trigger fires
+    assert target.due() and target.reached(0.46) is False  # 1.41 points a step since RL began: 6 short, 5 steps
+    for step in range(18, 22):
+        target.observe_step([0.0] * 64)
+        assert not target.due(), step
+    target.observe_step([0.0] * 64)  # step 22: projected
+    assert target.due() and target.reached(0.515) is False
+    target.observe_step([0.0] * 64)  # step 23: the projection (1.1 points a step since step 17) is met...
+    assert not target.due()  # ...but a re-check waits recheck_min_steps
+    target.observe_step([0.0] * 64)
+    assert target.due() and target.reached(0.53) is True and target.checks == 3
+    # held to min_steps (the old rule: recheck_min_steps = min_steps) the same run re-checks only at step 27
+    old = GainTarget(0.22, 0.30, window=64, min_steps=5)
+    assert old.recheck_min_steps == 5
+    for _ in range(16):
+        old.observe_step([0.0] * 64)
+    old.observe_step([1.0] * 64)
+    assert old.due() and old.reached(0.46) is False
+    steps = [18 + i for i in range(12) if (old.observe_step([0.0] * 64), old.due())[1]]
+    assert steps[0] == 22 and old.reached(0.515) is False
+    due = [23 + i for i in range(6) if (old.observe_step([0.0] * 64), old.due())[1]]
+    assert due[0] == 27
+
+
+def test_the_slower_rate_sets_the_re_check() -> None:
+    """Fast early progress, slow near the target: the rate between the last two checks (0.5 points a step) puts the
+    re-check later than the rate since RL began (1.5 points a step) would."""
+    target = GainTarget(0.2, 0.3, window=64, min_steps=2, recheck_min_steps=1)
+    for _ in range(19):
+        target.observe_step([0.0] * 64)
+    target.observe_step([1.0] * 64)  # step 20
+    assert target.due() and target.reached(0.45) is False  # 1.25 a step: 5 short -> step 24
+    for _ in range(4):
+        target.observe_step([0.0] * 64)
+    assert target.due() and target.reached(0.47) is False  # step 24: 0.5 a step since 20, 3 short -> step 30
+    seen = [25 + i for i in range(8) if (target.observe_step([0.0] * 64), target.due())[1]]
+    assert seen[0] == 30  # at 1.125 a step since RL began it would be step 27
+
+
 def test_no_projection_without_progress() -> None:
     target = GainTarget(0.3, 0.3, window=64, min_steps=1)
     target.observe_step([1.0] * 64)
