@@ -64,13 +64,13 @@ class GainTarget:
     and the next check comes when the rolling success reaches a higher trigger (``margin`` grows by ``bump``; at
     least ``min_steps`` steps after the last check) or, sooner, at the step where the held-out progress measured so
     far says the target is met (at least ``recheck_min_steps`` after the last check), whichever comes first. The
-    progress is the held-out points per step between the last two checks, or since RL began while there is one
-    check (or when the last two show none): the slower of the two where both are known, because the climb slows
-    near the target. (The sampled success is noisy and runs below greedy held-out success, so after a first check
-    the measured held-out rate is the better guide: on the calc example the second check came 12-18 steps after the
-    first with the trigger alone, overshooting the target by up to 12 points; with both re-checks held to
-    ``min_steps`` = 5, a check half a point short at step 22 was followed by one at step 27 that found 12 points
-    more than the target.)
+    progress is the held-out points per step since RL began, since the first check and between the last two
+    checks: the slowest of those that gained, because the climb slows near the target and a plateau should space
+    the checks out (none gained: only the trigger). (The sampled success is noisy and runs below greedy held-out
+    success, so after a first check the measured held-out rate is the better guide: on the calc example the second
+    check came 12-18 steps after the first with the trigger alone, overshooting the target by up to 12 points; with
+    every re-check held to ``min_steps`` = 5, a check half a point short at step 22 was followed by one at step 27
+    that found 12 points more than the target.)
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class GainTarget:
         self.min_steps = min_steps
         self.recheck_min_steps = min_steps if recheck_min_steps is None else max(1, min(recheck_min_steps, min_steps))
         self.bump = bump
-        self._last_check: tuple[int, float] | None = None  # (step, held-out success) of the last check
+        self._checked: list[tuple[int, float]] = []  # (step, held-out success) of each check that missed
         self.checks = 0
         self._outcomes: list[float] = []
         self._steps = 0
@@ -136,9 +136,10 @@ class GainTarget:
             return True
         self.margin += self.bump
         rates = [(success - self.baseline) / max(1, self._steps)]
-        if self._last_check is not None and self._steps > self._last_check[0]:
-            rates.append((success - self._last_check[1]) / (self._steps - self._last_check[0]))
-        self._last_check = (self._steps, success)
+        for step, earlier in self._checked[:1] + self._checked[-1:]:  # the first and the last check before this
+            if self._steps > step:
+                rates.append((success - earlier) / (self._steps - step))
+        self._checked.append((self._steps, success))
         positive = [r for r in rates if r > 0]
         self._projected = None
         if positive:
