@@ -83,32 +83,30 @@ def _next_check(target: GainTarget, step: int, limit: int = 20) -> int:
     raise AssertionError(f"no check due in steps {step}-{step + limit - 1}")
 
 
+def _first_check_at_17(target: GainTarget) -> None:
+    """16 steps without fresh success, then one that fires the rolling trigger: the first check is due at step 17."""
+    for _ in range(16):
+        target.observe_step([0.0] * 64)
+    target.observe_step([1.0] * 64)
+    assert target.due()
+
+
 def test_a_near_miss_is_checked_again_soon_at_the_recent_rate() -> None:
     """The calc acceptance run in CI (stop 41's first .ci/run): checks at steps 17 (46%) and 22 (51.5%, half a point
     short of +30 over 22%), then, with every re-check held to min_steps = 5, one at step 27 that found 64%. With
     ``recheck_min_steps`` = 2 the re-check after 22 comes at step 24; the projection uses the slower of the rate
     since RL began and the rate between the last two checks."""
     target = GainTarget(0.22, 0.30, window=64, min_steps=5, recheck_min_steps=2)
-    for _ in range(16):
-        target.observe_step([0.0] * 64)
-    target.observe_step([1.0] * 64)  # step 17: the rolling trigger fires
-    assert target.due() and target.reached(0.46) is False  # 1.41 points a step since RL began: 6 short, 5 steps
-    for step in range(18, 22):
-        target.observe_step([0.0] * 64)
-        assert not target.due(), step
-    target.observe_step([0.0] * 64)  # step 22: projected
-    assert target.due() and target.reached(0.515) is False
-    target.observe_step([0.0] * 64)  # step 23: the projection (1.1 points a step since step 17) is met...
-    assert not target.due()  # ...but a re-check waits recheck_min_steps
-    target.observe_step([0.0] * 64)
-    assert target.due() and target.reached(0.53) is True and target.checks == 3
+    _first_check_at_17(target)
+    assert target.reached(0.46) is False  # 1.41 points a step since RL began: 6 short, 5 steps
+    assert _next_check(target, 18) == 22 and target.reached(0.515) is False
+    # the projection (1.1 points a step since step 17) is met at 23, but a re-check waits recheck_min_steps
+    assert _next_check(target, 23) == 24 and target.reached(0.53) is True and target.checks == 3
     # held to min_steps (the old rule: recheck_min_steps = min_steps) the same run re-checks only at step 27
     old = GainTarget(0.22, 0.30, window=64, min_steps=5)
     assert old.recheck_min_steps == 5
-    for _ in range(16):
-        old.observe_step([0.0] * 64)
-    old.observe_step([1.0] * 64)
-    assert old.due() and old.reached(0.46) is False
+    _first_check_at_17(old)
+    assert old.reached(0.46) is False
     assert _next_check(old, 18) == 22 and old.reached(0.515) is False
     assert _next_check(old, 23) == 27
 
@@ -132,10 +130,8 @@ def test_a_plateau_spaces_the_re_checks_out() -> None:
     50% at 22. The last two checks show no gain; the rate since the first check (0.3 points a step) puts the next
     re-check at step 29 (where that run found 54%), not at 24 and 27 as the rate since RL began would."""
     target = GainTarget(0.22, 0.30, window=64, min_steps=5, recheck_min_steps=2)
-    for _ in range(16):
-        target.observe_step([0.0] * 64)
-    target.observe_step([1.0] * 64)  # step 17
-    assert target.due() and target.reached(0.485) is False
+    _first_check_at_17(target)
+    assert target.reached(0.485) is False
     assert _next_check(target, 18) == 20 and target.reached(0.51) is False  # 1.56 a step since RL began: 3 steps
     assert _next_check(target, 21) == 22 and target.reached(0.50) is False  # 0.83 a step since 17: 2 steps
     assert _next_check(target, 23) == 29  # no gain since 20; 0.3 a step since 17: 7 more steps
