@@ -74,7 +74,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[GenerationDelta | BaseException]
     streaming: bool
-    generator: torch.Generator
+    generator: random.Random  # the request's own draws (a seed gives the same tokens in any batch)
     stop_ids: set[int]
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -428,8 +428,7 @@ class EmbeddedEngine(Engine):
             raise EngineError(f"the engine serves no adapter {adapter!r}")
         if not input_ids:
             raise EngineError("empty prompt")
-        gen = torch.Generator()
-        gen.manual_seed(sampling.seed if sampling.seed is not None else random.getrandbits(63))
+        gen = random.Random(sampling.seed if sampling.seed is not None else random.getrandbits(63))
         req = _Request(
             input_ids=list(input_ids),
             sampling=sampling,
@@ -983,28 +982,38 @@ def _stack_past(past: list[_KV | None], lengths: list[int], width: int) -> _KV:
 
 
 def _sample_rows(
-    logits: torch.Tensor, samplings: list[Sampling], generators: list[torch.Generator]
+    logits: torch.Tensor, samplings: list[Sampling], generators: list[random.Random]
 ) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` ([rows, vocab]) with its log-prob (temperature applied, before top-p)."""
+    """One token per row of ``logits`` ([rows, vocab]) with its log-prob (temperature applied, before top-p).
+
+    The sampled rows draw together, by inversion: each row's uniform number (from its request's own generator, so
+    a seed gives the same tokens whatever else is in the batch) is placed in its row's cumulative distribution, one
+    ``searchsorted`` for the batch. Drawing each row with ``torch.multinomial`` and a ``torch.Generator`` cost
+    ~60 us a row: 3.9 ms of a 64-row decode step whose forward pass takes ~16 ms (the tiny policy, one thread)."""
     temps = [s.temperature if s.temperature > 0.0 else 1.0 for s in samplings]
     if all(t == temps[0] for t in temps):
         logp = torch.log_softmax(logits / temps[0] if temps[0] != 1.0 else logits, dim=-1)
     else:
         logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device).unsqueeze(1), dim=-1)
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    tokens: list[int] = []
-    for j, s in enumerate(samplings):
-        if s.temperature <= 0.0:
-            tokens.append(int(greedy[j]))
-            continue
-        probs = logp[j].exp()
-        if s.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cumulative = sorted_probs.cumsum(-1)
-            cut = cumulative - sorted_probs >= s.top_p  # drop tokens once the mass before them reaches top_p
-            sorted_probs = sorted_probs.masked_fill(cut, 0.0)
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        tokens.append(int(torch.multinomial(probs.cpu(), 1, generator=generators[j]).item()))
+    tokens: list[int] = torch.argmax(logits, dim=-1).tolist()
+    drawn = [j for j, s in enumerate(samplings) if s.temperature > 0.0]
+    if drawn:
+        rows = logp if len(drawn) == len(samplings) else logp[drawn]
+        probs = rows.double().exp()
+        for i, j in enumerate(drawn):
+            top_p = samplings[j].top_p
+            if top_p < 1.0:  # drop tokens once the mass before them reaches top_p
+                sorted_probs, order = torch.sort(probs[i], descending=True)
+                cut = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+                probs[i] = torch.zeros_like(probs[i]).scatter(0, order, sorted_probs.masked_fill(cut, 0.0))
+        cdf = probs.cumsum(-1)
+        u = torch.tensor([generators[j].random() for j in drawn], dtype=cdf.dtype, device=cdf.device)
+        # the first token whose cumulative mass passes u * total: never a token of zero mass (its cumulative mass
+        # equals the one before it); u * total rounding up to the total falls back to the last token with mass
+        picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        last = probs.shape[1] - 1 - torch.argmax((probs.flip(1) > 0).to(torch.uint8), dim=1)
+        for j, token in zip(drawn, torch.minimum(picks, last).tolist(), strict=True):
+            tokens[j] = int(token)
     picked = logp.gather(1, torch.tensor(tokens, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
     return tokens, [float(x) for x in picked]
 
