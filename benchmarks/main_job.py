@@ -165,6 +165,15 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
         print(f"  {label:<36} {'n/a' if v is None else f'{v:.1f}'}")
     tokens = sum(r.get("tokens_per_s", 0.0) * r.get("wall_s", 0.0) for r in rows)
     print(f"  generated tokens {tokens:.0f} ({tokens / max(steps_wall, 1e-9):.0f}/s over the RL steps)")
+    decode, prefills = total("engine_decode_steps"), total("engine_prefills")
+    if decode:  # runs before the counters have neither
+        busy, cpu = total("engine_busy_s") or 0.0, total("engine_cpu_s")
+        passes = decode + (prefills or 0)
+        print(
+            f"  engine forward passes: {decode:.0f} decode (mean batch {tokens / decode:.1f} rows), "
+            f"{prefills or 0:.0f} prefill; {1e3 * busy / passes:.1f} ms busy a pass"
+            + (f", its thread on a CPU {1e3 * cpu / passes:.1f} ms of it" if cpu else "")
+        )
 
     trained = sum(r["groups"] for r in rows)
     stale = sum(r["dropped_stale"] for r in rows)

@@ -127,6 +127,10 @@ class StepReport:
     save_s: float = 0.0  # checkpoint + consume the groups in the store
     publish_s: float = 0.0  # take the weights and hand them to the engine (the swap itself runs on)
     engine_busy_s: float = 0.0  # engine thread time spent generating during the step
+    engine_cpu_s: float = 0.0  # of engine_busy_s, the embedded engine thread's own CPU (the rest: waiting for a
+    # core or the interpreter lock; 0: not counted)
+    engine_decode_steps: int = 0  # the embedded engine's decode forward passes during the step (0: not counted)
+    engine_prefills: int = 0  # its prefill forward passes (rows joining the running batch) during the step
     loop_cpu_s: float = 0.0  # CPU of the event-loop thread during the step: proxy, store, in-process agents
     fresh_groups: int = 0  # groups on tasks never trained on before (the rest are replays, see sampling.py)
     screened_groups: int = 0  # screened out at their first rollouts (never trained; see screen_samples)
@@ -156,6 +160,8 @@ class StepClock:
         self._cpu = time.thread_time()
         self._tokens = engine.stats["tokens"]
         self._busy = _engine_busy(engine)
+        self._passes = self._engine_passes()
+        self._engine_cpu = float(engine.stats.get("cpu_s", 0.0))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -176,6 +182,19 @@ class StepClock:
 
     def engine_busy(self) -> float:
         return _engine_busy(self.engine) - self._busy
+
+    def engine_cpu(self) -> float:
+        return float(self.engine.stats.get("cpu_s", 0.0)) - self._engine_cpu
+
+    def _engine_passes(self) -> tuple[int, int]:
+        stats = self.engine.stats
+        return int(stats.get("steps", 0)), int(stats.get("batches", 0))
+
+    def engine_passes(self) -> tuple[int, int]:
+        """The engine's decode and prefill forward passes since the clock started (0, 0 where it does not count
+        them): the generated tokens over the decode passes are the mean batch a decode pass ran."""
+        (steps, prefills), (steps0, prefills0) = self._engine_passes(), self._passes
+        return steps - steps0, prefills - prefills0
 
 
 class TrainingLoop:
@@ -427,6 +446,7 @@ class TrainingLoop:
         n_rollouts = sum(len(g.rollouts) for g in fresh)
         counts = await self.store.counts()
         wall = clock.wall()
+        decode_steps, prefills = clock.engine_passes()
         return StepReport(
             step=self.step,
             version=self.version,
@@ -443,6 +463,9 @@ class TrainingLoop:
             tokens_per_s=clock.tokens() / max(wall, 1e-9),
             **clock.seconds,
             engine_busy_s=clock.engine_busy(),
+            engine_cpu_s=clock.engine_cpu(),
+            engine_decode_steps=decode_steps,
+            engine_prefills=prefills,
             loop_cpu_s=clock.cpu(),
             fresh_groups=new_groups,
             screened_groups=len(screened),

@@ -272,6 +272,8 @@ class EmbeddedEngine(Engine):
             "prompt_tokens": 0,
             "reused_tokens": 0,  # prompt tokens served from the prefix cache
             "busy_s": 0.0,  # seconds the worker spent prefilling and decoding
+            "cpu_s": 0.0,  # of those, the worker thread's own CPU (not its intra-op helpers'): the rest it waited for
+            # a core or the interpreter lock
             "shared_head_tokens": 0,  # prompt heads shared by rows admitted together, prefilled once for all
             "twin_tokens": 0,  # prompt tokens of rows admitted with an identical prompt, which ran once for both
         }
@@ -472,7 +474,7 @@ class EmbeddedEngine(Engine):
             if self._threads and self._threads != self.stats["threads"]:  # set_threads asked for others
                 torch.set_num_threads(self._threads)
                 self.stats["threads"] = torch.get_num_threads()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             try:
                 with self._model_lock, torch.inference_mode():
                     if admit:
@@ -487,6 +489,7 @@ class EmbeddedEngine(Engine):
                         req.fail(EngineError(f"generation failed: {exc}"))
                 batch = _Batch(self._device)
             self.stats["busy_s"] += time.perf_counter() - t0
+            self.stats["cpu_s"] += time.thread_time() - cpu0
             if not batch.rows:
                 with self._cond:
                     self._running = 0

@@ -143,6 +143,8 @@ async def test_concurrent_requests_share_batches(engine: EmbeddedEngine) -> None
     assert engine.stats["requests"] - before["requests"] == 24
     assert engine.stats["batches"] - before["batches"] < 24  # requests joined batches
     assert engine.stats["max_batch"] > 1
+    # the worker thread's own CPU while busy: counted, and never more than its busy wall time
+    assert 0.0 < engine.stats["cpu_s"] - before["cpu_s"] <= engine.stats["busy_s"] - before["busy_s"] + 1e-3
 
 
 async def test_seed_makes_sampling_deterministic(engine: EmbeddedEngine) -> None:

@@ -107,6 +107,7 @@ async def test_train_calc_with_vllm_engine(tmp_path: Path, policy_dir: Path) -> 
     assert summary["eval_after"]["n"] == 8
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["engine_decode_steps"] == r["engine_prefills"] == 0 for r in rows)  # vLLM's passes: not counted
     assert (out / "reward_curve.png").stat().st_size > 1000
     # the warm start's evaluation and the end of the warm start, then one checkpoint per RL step; two kept on disk
     assert 1 <= len(list((out / "weights").iterdir())) <= 2
