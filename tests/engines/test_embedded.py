@@ -219,6 +219,27 @@ async def test_weight_swap_bumps_version_and_changes_outputs(engine: EmbeddedEng
     assert again.completion_ids == before.completion_ids and again.policy_version == 8
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_weights_that_answer_nan_fail_the_call_and_the_engine_recovers(
+    engine: EmbeddedEngine, temperature: float
+) -> None:
+    """Published weights with a NaN (a diverged update) make the model's logits NaN: the call fails with the
+    engine's error, greedy or sampled, instead of returning tokens drawn from nothing; good weights serve again."""
+    prompt = _prompt(engine, "What is 3 plus 4?")
+    sampling = Sampling(max_tokens=5, temperature=temperature, seed=1)
+    state = {k: v.clone() for k, v in engine._model.state_dict().items()}
+    broken = dict(state)
+    name = next(k for k in state if k.endswith("norm.weight"))
+    broken[name] = torch.full_like(state[name], float("nan"))
+    await engine.update_weights(broken, 1)
+    with pytest.raises(EngineError, match="logits are not finite"):
+        await engine.generate(prompt, sampling)
+    await engine.update_weights(state, 2)
+    again = await engine.generate(prompt, sampling)
+    assert again.policy_version == 2 and len(again.completion_ids) >= 1
+    assert all(lp == lp and lp <= 0.0 for lp in again.logprobs)  # finite log-probs (NaN != NaN)
+
+
 async def test_in_flight_batch_finishes_on_old_weights(engine: EmbeddedEngine) -> None:
     """A weight swap waits for the running batch: that batch records the old version, the next the new one."""
     prompt = _prompt(engine, "Add 2 and 2.")
@@ -568,3 +589,19 @@ def test_rows_draw_from_their_own_distributions_together() -> None:
     # the same generators give the same tokens whatever the batch around them
     alone, _ = _sample_rows(logits.expand(3, -1).clone(), samplings[:3], [random.Random(i) for i in range(3)])
     assert alone == tokens[:3]
+
+
+def test_non_finite_logits_are_an_error_not_a_token() -> None:
+    """A model that answers NaN or infinite logits (broken weights) fails the rows' generation loudly: no token is
+    drawn from a distribution that is not one, greedy or sampled (the engine's loop turns it into an EngineError
+    for every request of the batch)."""
+    import random
+
+    from lightning_sdk.engines.embedded import _sample_rows
+
+    for bad in (float("nan"), float("inf")):
+        for temperature in (0.0, 0.6):
+            logits = torch.zeros(3, 8)
+            logits[1, 2] = bad
+            with pytest.raises(FloatingPointError, match="not finite in 1 of 3 rows"):
+                _sample_rows(logits, [Sampling(temperature=temperature)] * 3, [random.Random(i) for i in range(3)])
