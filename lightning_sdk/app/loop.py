@@ -84,11 +84,6 @@ def never() -> bool:
     return False
 
 
-def _engine_busy(engine: ServingEngine) -> float:
-    """Seconds the engine spent generating so far (0 for engines that do not count it)."""
-    return float(engine.stats.get("busy_s", 0.0))
-
-
 def records_config(rl: RLConfig, max_model_len: int | None) -> RecordsConfig:
     """How the loop builds records: the ``[rl]`` section's advantage settings (same names as ``AdvantageConfig``'s),
     and rows never longer than the engine's context (``max_model_len`` where the engine tells it): a longer segment
@@ -151,17 +146,18 @@ class StepReport:
 class StepClock:
     """The clocks of one training step: ``phase(name)`` adds the seconds its block took to ``seconds[name]``
     (``wait_s``, ``records_s``, ``learner_s``, ``save_s``, ``publish_s``: ``StepReport``'s fields); ``wall``,
-    ``cpu`` (the event-loop thread's), ``tokens`` and ``engine_busy`` count from the clock's start."""
+    ``cpu`` (the event-loop thread's) and the engine's counters (``tokens``, ``engine_busy``, ``engine_cpu``,
+    ``engine_passes``) count from the clock's start."""
+
+    #: the engine's counters a step reads from ``engine.stats`` (0 where an engine does not keep one)
+    COUNTERS = ("tokens", "busy_s", "cpu_s", "steps", "batches")
 
     def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
         self.seconds: dict[str, float] = {}
         self._start = time.perf_counter()
         self._cpu = time.thread_time()
-        self._tokens = engine.stats["tokens"]
-        self._busy = _engine_busy(engine)
-        self._passes = self._engine_passes()
-        self._engine_cpu = float(engine.stats.get("cpu_s", 0.0))
+        self._counts = {key: float(engine.stats.get(key, 0)) for key in self.COUNTERS}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -177,24 +173,24 @@ class StepClock:
     def cpu(self) -> float:
         return time.thread_time() - self._cpu
 
+    def _since(self, key: str) -> float:
+        return float(self.engine.stats.get(key, 0)) - self._counts[key]
+
     def tokens(self) -> int:
-        return self.engine.stats["tokens"] - self._tokens
+        return int(self._since("tokens"))
 
     def engine_busy(self) -> float:
-        return _engine_busy(self.engine) - self._busy
+        """Seconds the engine spent generating."""
+        return self._since("busy_s")
 
     def engine_cpu(self) -> float:
-        return float(self.engine.stats.get("cpu_s", 0.0)) - self._engine_cpu
-
-    def _engine_passes(self) -> tuple[int, int]:
-        stats = self.engine.stats
-        return int(stats.get("steps", 0)), int(stats.get("batches", 0))
+        """Of those, the embedded engine thread's own CPU seconds."""
+        return self._since("cpu_s")
 
     def engine_passes(self) -> tuple[int, int]:
-        """The engine's decode and prefill forward passes since the clock started (0, 0 where it does not count
-        them): the generated tokens over the decode passes are the mean batch a decode pass ran."""
-        (steps, prefills), (steps0, prefills0) = self._engine_passes(), self._passes
-        return steps - steps0, prefills - prefills0
+        """The engine's decode and prefill forward passes: the generated tokens over the decode passes are the mean
+        batch a decode pass ran."""
+        return int(self._since("steps")), int(self._since("batches"))
 
 
 class TrainingLoop:

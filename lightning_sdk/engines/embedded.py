@@ -998,10 +998,10 @@ def _sample_rows(
         logp = torch.log_softmax(logits / temps[0] if temps[0] != 1.0 else logits, dim=-1)
     else:
         logp = torch.log_softmax(logits / torch.tensor(temps, device=logits.device).unsqueeze(1), dim=-1)
-    best = logp.max(dim=-1).values
-    if not bool(torch.isfinite(best).all()):  # NaN or infinite logits: a broken model, never a silent token
-        bad = [j for j, ok in enumerate(torch.isfinite(best).tolist()) if not ok]
-        raise FloatingPointError(f"the model's logits are not finite in {len(bad)} of {len(samplings)} rows")
+    finite = torch.isfinite(logp.max(dim=-1).values)
+    if not bool(finite.all()):  # NaN or infinite logits: a broken model, never a silent token
+        bad = int((~finite).sum())
+        raise FloatingPointError(f"the model's logits are not finite in {bad} of {len(samplings)} rows")
     tokens: list[int] = torch.argmax(logits, dim=-1).tolist()
     drawn = [j for j, s in enumerate(samplings) if s.temperature > 0.0]
     if drawn:
