@@ -3,7 +3,8 @@
     python benchmarks/main_job.py [--output DIR] [--set rl.replay_share=0 ...] [--example DIR]   # runs the command
     python benchmarks/main_job.py --run-dir DIR                                  # reads a finished run
 
-Runs the real command in a subprocess (peak RSS from the child's rusage), then reads the run's own
+Runs the real command in a subprocess (peak RSS from the child's rusage: the largest process; and the peak of all
+its processes together, sampled: ``TreeMemory``), then reads the run's own
 ``summary.json`` and ``metrics.jsonl`` and prints:
 
 - the whole command's wall time, held-out success before/after (n = 200) and the time to +30 points: when the
@@ -34,6 +35,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,12 +51,89 @@ def run(out: Path, overrides: list[str], example: Path = EXAMPLE) -> dict[str, A
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree = TreeMemory(proc.pid)
+    tree.start()
+    try:
+        _, stderr = proc.communicate()
+    finally:
+        tree.stop()
     wall = time.monotonic() - t0
     if proc.returncode != 0:
-        sys.exit(f"the command failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        sys.exit(f"the command failed ({proc.returncode}):\n{stderr[-3000:]}")
     peak_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {"wall_s": wall, "peak_rss_mb": peak_kb / 1024, "load_start": load0, "load_end": os.getloadavg()[0]}
+    return {
+        "wall_s": wall,
+        "peak_rss_mb": peak_kb / 1024,
+        "peak_tree_mb": tree.peak_mb,
+        "load_start": load0,
+        "load_end": os.getloadavg()[0],
+    }
+
+
+class TreeMemory:
+    """The peak memory of a process and all its descendants together, sampled every ``every_s`` from Linux's /proc.
+
+    The rusage peak is the largest single process's: a run with ``learner.process = true`` has a learner child beside
+    the main process, and the two together are what the machine must hold. Each process counts its proportional set
+    size (``Pss`` of ``smaps_rollup``: a page shared by n processes counts 1/n in each), so the libraries and the
+    pages a child shares with its parent are not counted twice as a plain sum of resident sets would."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        self.pid = pid
+        self.every_s = every_s
+        self.peak_mb: float | None = None  # None: /proc not readable here (not Linux)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tree-memory", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.sample()
+
+    def processes(self) -> list[int]:
+        """The process and its living descendants (parent links read from /proc/PID/stat)."""
+        parents: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+        tree, i = [self.pid], 0
+        while i < len(tree):
+            tree.extend(parents.get(tree[i], []))
+            i += 1
+        return tree
+
+    def sample(self) -> tuple[float, float] | None:
+        """One sample: (proportional set sizes, resident sets) of the tree summed, in MB; None without /proc."""
+        if not os.path.isdir("/proc"):
+            return None
+        pss = rss = 0
+        for pid in self.processes():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    for line in f:
+                        if line.startswith("Pss:"):
+                            pss += int(line.split()[1])
+                        elif line.startswith("Rss:"):
+                            rss += int(line.split()[1])
+            except (OSError, ValueError):  # gone meanwhile, or no smaps_rollup (kernels before 4.14)
+                continue
+        now = pss / 1024, rss / 1024
+        if pss and (self.peak_mb is None or now[0] > self.peak_mb):
+            self.peak_mb = now[0]
+        return now
 
 
 def cpu_line() -> str:
@@ -101,7 +180,9 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
             f"load average: {measured['load_start']:.2f} at start, {measured['load_end']:.2f} at end "
             f"({os.cpu_count()} CPUs)"
         )
-        print(f"peak RSS: {measured['peak_rss_mb']:.0f} MB")
+        tree = measured.get("peak_tree_mb")
+        together = "" if tree is None else f"; all its processes together {tree:.0f} MB (proportional sets, sampled)"
+        print(f"peak RSS: {measured['peak_rss_mb']:.0f} MB (the largest process){together}")
     print(
         f"command: {wall:.0f} s; held-out success {100 * before:.1f}% -> {100 * after:.1f}% "
         f"({100 * gain:+.1f} points, n = {summary['eval_after']['n']}); {summary['steps']} RL steps"

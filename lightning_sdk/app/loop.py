@@ -405,7 +405,10 @@ class TrainingLoop:
         if taken.screened:
             entry["screened"] = [g.group.group_id for g in taken.screened]
         self.consumed[step] = entry
-        ckpt = Checkpoint(step, new_version, self.learner.state_dict(), self.consumed, self.schedule.next_task)
+        # the learner's state off the event loop: a learner in another process sends it over a pipe (~40 MB for the
+        # tiny policy with its optimizer), which would stall the proxy and the agents for that long
+        state = await asyncio.to_thread(self.learner.state_dict)
+        ckpt = Checkpoint(step, new_version, state, self.consumed, self.schedule.next_task)
         await asyncio.to_thread(save_checkpoint, self.run_dir, ckpt)
         await self.store.consume_groups(step, [gid for ids in entry.values() for gid in ids])
         self.step = step

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,48 @@ async def test_a_step_never_trains_a_screened_group_and_trains_a_grown_one_whole
     with sqlite3.connect(tmp_path / "store.db") as conn:
         consumed = dict(conn.execute("SELECT group_id, consumed_step FROM groups WHERE consumed_step IS NOT NULL"))
     assert consumed == {"train-0": 1, "train-1": 1, "train-1-rest": 1}
+    await store.close()
+
+
+class _StateOverAPipe(Learner):
+    """The real learner whose ``state_dict`` takes as long as a learner in another process sending it over a pipe:
+    it returns only once the event loop has run code while it waited (or after 10 s, saying it never did)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked = threading.Event()
+        self.loop_ran = threading.Event()
+        self.loop_ran_meanwhile: list[bool] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.asked.set()
+        self.loop_ran_meanwhile.append(self.loop_ran.wait(10.0))
+        self.asked.clear()
+        self.loop_ran.clear()
+        return super().state_dict()
+
+
+async def test_the_checkpoint_reads_the_learners_state_off_the_event_loop(tmp_path: Path, small_policy: Path) -> None:
+    """The proxy and the in-process agents share the training loop's event loop: a learner whose state takes a
+    while to come (``ProcessLearner``: ~40 MB over a pipe a step) must not stall them while the checkpoint waits."""
+    model, _ = load_policy(small_policy)
+    learner = _StateOverAPipe(model, LearnerConfig(lr=1e-3, warmup_steps=1))
+    store = SQLiteStore(tmp_path / "store.db")
+    loop = _loop(store, tmp_path / "run", learner=learner, tasks_per_step=1, screen_samples=0)
+    loop.weights = learner.weights
+    await loop.resume()
+    await loop.feed()
+    await _run(store, {"train-0": [1.0, 0.0, 0.0, 1.0], "train-1": [0.0, 1.0, 1.0, 1.0]})
+
+    async def meanwhile() -> None:  # code on the event loop while the checkpoint waits for the state
+        await asyncio.to_thread(learner.asked.wait, 10.0)
+        learner.loop_ran.set()
+
+    report, _ = await asyncio.gather(loop.train_step(), meanwhile())
+    assert report is not None and report.step == 1
+    assert learner.loop_ran_meanwhile == [True]
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt is not None and ckpt.step == 1 and ckpt.learner["steps"] == 1
     await store.close()
 
 

@@ -1,0 +1,54 @@
+"""benchmarks/main_job.py's ``TreeMemory``: the peak memory of the command and all its processes together (a
+learner child beside the main process), each counted by its proportional set size. Real processes: a parent that
+touches 150 MB, then forks a child that keeps those pages shared and touches 100 MB of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.scripts import load_script
+from tests.trainer.tiny import ROOT
+
+_TREE = r"""
+import os, sys
+shared = bytearray(150 * 1024 * 1024)
+shared[::4096] = b"x" * len(shared[::4096])
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child: the parent's 150 MB stay shared (never written here), 100 MB of its own
+    own = bytearray(100 * 1024 * 1024)
+    own[::4096] = b"y" * len(own[::4096])
+    os.write(w, b"1")
+    sys.stdin.read()  # until the test closes stdin
+    os._exit(0)
+os.read(r, 1)
+print(pid, flush=True)
+sys.stdin.read()
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TreeMemory reads Linux's /proc")
+def test_the_tree_counts_every_process_and_shared_pages_once() -> None:
+    main_job = load_script(ROOT / "benchmarks" / "main_job.py", "main_job")
+    proc = subprocess.Popen([sys.executable, "-c", _TREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        child = int(proc.stdout.readline())  # both have touched their memory
+        tree = main_job.TreeMemory(proc.pid)
+        assert sorted(tree.processes()) == sorted([proc.pid, child])
+        sample = tree.sample()
+        assert sample is not None
+        pss, rss = sample
+        # 150 MB shared + 100 MB the child's own + two interpreters (~10 MB each): counted once, not 400 MB
+        assert 250 <= pss <= 320, sample
+        assert rss - pss >= 120, sample  # a plain sum of resident sets counts the shared 150 MB twice
+        assert tree.peak_mb == pss
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    assert main_job.TreeMemory(proc.pid).sample() == (0.0, 0.0)  # gone: nothing counted
