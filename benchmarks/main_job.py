@@ -188,7 +188,9 @@ def report(run_dir: Path, measured: dict[str, Any] | None) -> None:
         f"({100 * gain:+.1f} points, n = {summary['eval_after']['n']}); {summary['steps']} RL steps"
     )
     if "target_reached_s" in tl:
-        print(f"time to +30: {tl['target_reached_s']:.0f} s (held-out check at step {checks[-1]['step']})")
+        steps_list = ", ".join(f"{c['step']} ({c.get('why', '?')})" for c in checks)  # why each check came
+        reached_s = tl["target_reached_s"]
+        print(f"time to +30: {reached_s:.0f} s (held-out check at step {checks[-1]['step']}; checks: {steps_list})")
     elif gain >= 0.30:
         end = tl.get("eval_after_end_s", summary["wall_s"])
         print(f"time to +30: {end:.0f} s (the final evaluation; RL ran to its budget)")

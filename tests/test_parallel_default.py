@@ -26,6 +26,9 @@ DEFAULT = "not slow and not harness and not real_cli and not vllm and not ray_cl
         ("not vllm", 2, 0),  # selects slow, harness... too
         ("", 2, 0),  # everything
         (DEFAULT.replace("not slow", "slow"), 2, 0),
+        ("slow and acceptance", 2, 0),  # .ci/run's timed acceptance runs: alone, in one process
+        ("slow and not acceptance", 2, 0),  # the other slow tests: .ci/run passes -n 2 itself
+        ("acceptance", 2, 0),
     ],
 )
 def test_workers_for_a_selection(markexpr: str, cores: int, workers: int) -> None:

@@ -59,11 +59,12 @@ async def evaluate(
 
 @dataclass
 class RLResult:
-    """What ``run_rl`` did: the held-out checks (``step``, ``success_rate``, ``reached``, ``final``, ``elapsed_s``,
-    ``wall_s``), the check that reached the target (None otherwise), ``final``: the last check when nothing was
-    trained after it (the run's ``eval_after``: the check's own result; None without a target), ``stop``: why RL
-    ended (``reason``: ``target``, ``max_wall_s``, ``steps``; ``message``; ``short``: a target was set and not met),
-    and the wall time."""
+    """What ``run_rl`` did: the held-out checks (``step``, ``success_rate``, ``reached``, ``final``, ``why``: what
+    made it due, ``trigger``, ``projection``, ``max_steps``, or for the last check ``steps`` or ``wall budget``;
+    ``elapsed_s``, ``wall_s``), the check that reached the target (None otherwise), ``final``: the last check when
+    nothing was trained after it (the run's ``eval_after``: the check's own result; None without a target),
+    ``stop``: why RL ended (``reason``: ``target``, ``max_wall_s``, ``steps``; ``message``; ``short``: a target was
+    set and not met), and the wall time."""
 
     checks: list[dict[str, Any]]
     reached: dict[str, Any] | None
@@ -161,6 +162,8 @@ async def run_rl(
             if last_one or not generate_during_checks:  # the check runs alone; a next stretch starts new workers
                 await running.close()
                 running = None
+            # what made this check come (reached() below resets the target's own answer)
+            why = (target.why if target.due() else None) or ("steps" if loop.step >= steps else "wall budget")
             await loop.flush_weights()  # the check evaluates the newest weights
             t_check = time.perf_counter()
             label = f"{'final ' if last_one else ''}target check at step {loop.step}"
@@ -175,12 +178,13 @@ async def run_rl(
                     "success_rate": result["success_rate"],
                     "reached": reached,
                     "final": last_one,
+                    "why": why,
                     "elapsed_s": round(time.perf_counter() - t_start, 2),
                     "wall_s": round(time.perf_counter() - t_check, 2),
                 }
             )
             note(
-                f"held-out check at step {loop.step}: {100 * result['success_rate']:.1f}%"
+                f"held-out check at step {loop.step} ({why}): {100 * result['success_rate']:.1f}%"
                 f" ({'target reached' if reached else 'the last one' if last_one else 'going on'})"
             )
             if last_one:

@@ -90,6 +90,7 @@ async def run_training(
                     margin=rl.target_margin,
                     min_steps=rl.check_min_steps,
                     recheck_min_steps=rl.recheck_min_steps,
+                    max_steps=rl.check_max_steps,
                 )
                 if rl.target_gain is not None and heldout and "eval_before" in state
                 else None

@@ -124,6 +124,13 @@ class RLConfig(_Section):
         description="with target_gain: after a check that missed, a re-check where the held-out progress so far "
         "projects the target comes at least this many steps later (at most check_min_steps; trainer/stopping.py)",
     )
+    check_max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="with target_gain: a held-out check at the latest this many RL steps after the last check (the "
+        "first: after RL began), even where the sampled success has not reached the trigger; None: only the trigger "
+        "and the projection (trainer/stopping.py)",
+    )
     replay_share: float = Field(
         0.0, ge=0, le=1, description="share of new groups that replay a task whose last group had reward variance"
     )

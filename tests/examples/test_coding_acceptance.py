@@ -27,6 +27,7 @@ BUDGET_S = float(os.environ.get("CODING_ACCEPTANCE_BUDGET_S", "900"))
 
 
 @pytest.mark.slow
+@pytest.mark.acceptance  # timed: .ci/run runs it alone
 @pytest.mark.timeout(2400)
 def test_train_coding_agent_meets_the_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "run"

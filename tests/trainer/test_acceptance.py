@@ -18,6 +18,7 @@ from tests.trainer.tiny import EXAMPLE, ROOT
 
 
 @pytest.mark.slow
+@pytest.mark.acceptance  # timed: .ci/run runs it alone
 @pytest.mark.timeout(900)
 def test_train_calc_agent_meets_the_acceptance(tmp_path: Path) -> None:
     """Also prints the run's figures (benchmarks/main_job.py's report: time to +30, phases, learner idle, wasted

@@ -137,6 +137,32 @@ def test_a_plateau_spaces_the_re_checks_out() -> None:
     assert _next_check(target, 23) == 29  # no gain since 20; 0.3 a step since 17: 7 more steps
 
 
+def test_a_check_comes_at_the_latest_max_steps_after_the_last() -> None:
+    """The twenty-first round's b2 (benchmarks/main_job.py): the fresh tasks' rolling success stayed under the 0.47
+    trigger from step 11 to 28 and the first check, at step 29, found +35 points. With ``max_steps`` = 18 the first
+    check comes at step 18 whatever the sampled success; after a miss the projection or, without progress, the next
+    18 steps decide the next one. Without ``max_steps`` the trigger alone never fires on that success."""
+    target = GainTarget(0.215, 0.30, window=64, min_steps=5, recheck_min_steps=2, max_steps=18)
+    assert _next_check(target, 1, limit=30) == 18  # sampled success 0 all along
+    assert target.reached(0.50) is False  # 1.58 points a step since RL began: 1.5 short, a re-check at step 20
+    assert _next_check(target, 19) == 20
+    assert target.reached(0.49) is False  # the rate since RL began (1.38 a step) says step 21: re-check at 22
+    assert _next_check(target, 21) == 22
+    assert target.reached(0.20) is False  # below the baseline: no rate gains, no projection
+    assert _next_check(target, 23, limit=30) == 40  # max_steps alone: 18 steps after the check at 22
+    assert target.reached(0.52) is True and target.checks == 4
+    # the trigger still fires first where the sampled success reaches it
+    sooner = GainTarget(0.215, 0.30, window=64, min_steps=5, max_steps=18)
+    for step in range(1, 6):
+        sooner.observe_step([1.0] * 64)
+        assert sooner.due() is (step == 5)
+    # without max_steps a sampled success under the trigger never asks for a check
+    trigger_only = GainTarget(0.215, 0.30, window=64, min_steps=5, recheck_min_steps=2)
+    for _ in range(40):
+        trigger_only.observe_step([0.3] * 64)
+        assert not trigger_only.due()
+
+
 def test_no_projection_without_progress() -> None:
     target = GainTarget(0.3, 0.3, window=64, min_steps=1)
     target.observe_step([1.0] * 64)
@@ -152,4 +178,6 @@ def test_the_calc_example_config_turns_both_on() -> None:
 
     config = load_train_config(EXAMPLE)
     assert config.rl.target_gain == pytest.approx(0.30) and config.rl.replay_share == pytest.approx(0.5)
+    assert config.rl.check_max_steps == 18  # a check at the latest 18 steps after the last
+    assert config.learner.clip_ratio_high == pytest.approx(0.28)  # DAPO's clip-higher
     assert config.learner.micro_batch_tokens == 1024 and config.learner.pack  # packed micro-batches of 1024 tokens

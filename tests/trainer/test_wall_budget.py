@@ -111,6 +111,7 @@ def test_a_run_whose_budget_is_nearly_spent_still_runs_its_check_and_reports_it(
     summary = json.loads((out / "summary.json").read_text())
     checks = summary["rl"]["checks"]
     assert len(checks) == 1 and checks[0]["final"] is True and checks[0]["reached"] is False, checks
+    assert checks[0]["why"] == "wall budget"  # the trigger never fired: the budget made it the last check
     assert summary["eval_after"]["split"] == "eval-check-1"  # the check's own result is the final evaluation
     assert summary["eval_after"]["success_rate"] == checks[0]["success_rate"]
     stop = summary["rl"]["stop"]
@@ -121,3 +122,42 @@ def test_a_run_whose_budget_is_nearly_spent_still_runs_its_check_and_reports_it(
     with sqlite3.connect(out / "store.db") as conn:
         splits = {s for (s,) in conn.execute("SELECT DISTINCT split FROM rollouts")}
     assert "eval-after" not in splits and "eval-check-1" in splits
+
+
+def test_a_check_comes_after_check_max_steps_when_the_trigger_never_fires(tmp_path: Path, small_policy: Path) -> None:
+    """A target out of reach (its trigger never fires) and ``check_max_steps`` = 2: the whole ``lightning-sdk train``
+    checks held-out at step 2 because two steps passed (``why`` = ``max_steps``), then ends at ``rl.steps`` = 3 with
+    the final check (``why`` = ``steps``), which is the run's final evaluation. Without ``check_max_steps`` only the
+    final one would run."""
+    config = write_config(
+        tmp_path / "train.toml",
+        str(small_policy),
+        warm_start={"enabled": False},
+        rl={
+            "steps": 3,
+            "tasks_per_step": 8,
+            "samples_per_task": 4,  # 32 fresh rollouts a step: the 64 a check needs after two
+            "workers": 8,
+            "max_tokens": 16,
+            "target_gain": 0.99,  # out of reach
+            "check_max_steps": 2,
+        },
+        eval={"n": 24, "max_tokens": 16, "workers": 8},
+    )
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
+        cwd=str(ROOT),
+        env=env,
+        capture_output=True,
+        timeout=240,
+    )
+    output = (proc.stdout + proc.stderr).decode()
+    assert proc.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    checks = summary["rl"]["checks"]
+    assert [(c["step"], c["why"], c["final"]) for c in checks] == [(2, "max_steps", False), (3, "steps", True)], checks
+    assert summary["eval_after"]["split"] == "eval-check-2"
+    assert summary["rl"]["stop"]["reason"] == "steps" and summary["rl"]["stop"]["short"] is True
+    assert "held-out check at step 2 (max_steps)" in output
