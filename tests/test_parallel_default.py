@@ -27,7 +27,7 @@ DEFAULT = "not slow and not harness and not real_cli and not vllm and not ray_cl
         ("", 2, 0),  # everything
         (DEFAULT.replace("not slow", "slow"), 2, 0),
         ("slow and acceptance", 2, 0),  # .ci/run's timed acceptance runs: alone, in one process
-        ("slow and not acceptance", 2, 0),  # the other slow tests: .ci/run passes -n 2 itself
+        ("slow and not acceptance", 2, 0),  # the other slow tests: .ci/run runs two such processes side by side
         ("acceptance", 2, 0),
     ],
 )

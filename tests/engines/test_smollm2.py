@@ -52,7 +52,6 @@ def test_prepared_directory_is_reused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("training")  # .ci/run: the two training runs one after the other on one worker
 @pytest.mark.timeout(2400)
 async def test_smollm2_served_by_the_embedded_engine_and_trained_through_the_proxy(tmp_path: Path) -> None:
     """Prepare (or reuse) SmolLM2, answer a question with the embedded engine, then ``lightning-sdk train`` with

@@ -45,7 +45,6 @@ def test_the_reward_is_the_required_form_only() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("training")  # .ci/run: the two training runs one after the other on one worker
 @pytest.mark.timeout(900)
 def test_a_shortened_run_trains_the_adapter_and_measures_the_heldout_set(tmp_path: Path) -> None:
     """``lightning-sdk train examples/echo_agent`` with 4 small steps and 24 held-out tasks: records are trained
