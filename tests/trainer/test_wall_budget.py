@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,21 @@ def test_a_spent_budget_is_over_at_once() -> None:
     assert budget.rl_over() and budget.left_s() == -40.0
 
 
+def _train(config: Path, out: Path) -> tuple[dict[str, Any], str]:
+    """``lightning-sdk train CONFIG --output OUT`` in a subprocess: its summary.json and its console output."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
+        cwd=str(ROOT),
+        env=env,
+        capture_output=True,
+        timeout=240,
+    )
+    output = (proc.stdout + proc.stderr).decode()
+    assert proc.returncode == 0, output[-3000:]
+    return json.loads((out / "summary.json").read_text()), output
+
+
 @pytest.fixture(scope="module")
 def small_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_small_policy(tmp_path_factory.mktemp("policy") / "tiny", hidden=32, layers=2)
@@ -98,17 +114,7 @@ def test_a_run_whose_budget_is_nearly_spent_still_runs_its_check_and_reports_it(
         eval={"n": 24, "max_tokens": 16, "workers": 8},
     )
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
-        cwd=str(ROOT),
-        env=env,
-        capture_output=True,
-        timeout=240,
-    )
-    output = (proc.stdout + proc.stderr).decode()
-    assert proc.returncode == 0, output[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary, output = _train(config, out)
     checks = summary["rl"]["checks"]
     assert len(checks) == 1 and checks[0]["final"] is True and checks[0]["reached"] is False, checks
     assert checks[0]["why"] == "wall budget"  # the trigger never fired: the budget made it the last check
@@ -145,17 +151,7 @@ def test_a_check_comes_after_check_max_steps_when_the_trigger_never_fires(tmp_pa
         eval={"n": 24, "max_tokens": 16, "workers": 8},
     )
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LIGHTNING_SDK_LOG_LEVEL": "WARNING"}
-    proc = subprocess.run(
-        [sys.executable, "-c", CLI, "train", str(config), "--output", str(out)],
-        cwd=str(ROOT),
-        env=env,
-        capture_output=True,
-        timeout=240,
-    )
-    output = (proc.stdout + proc.stderr).decode()
-    assert proc.returncode == 0, output[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary, output = _train(config, out)
     checks = summary["rl"]["checks"]
     assert [(c["step"], c["why"], c["final"]) for c in checks] == [(2, "max_steps", False), (3, "steps", True)], checks
     assert summary["eval_after"]["split"] == "eval-check-2"
