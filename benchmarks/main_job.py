@@ -137,7 +137,8 @@ class TreeMemory:
 
 
 def cpu_line() -> str:
-    """``lscpu``'s model name and the flags that decide the learner's kernels (the figures depend on the CPU)."""
+    """``lscpu``'s model name, family and model, and the flags that decide the learner's kernels (the figures depend
+    on the CPU)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
@@ -146,7 +147,11 @@ def cpu_line() -> str:
     flags = set(fields.get("Flags", "").split())
     wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_tile"]
     have = [f for f in wanted if f in flags]
-    return f"cpu: {fields.get('Model name', '?').strip()}, {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none'}"
+    # the family and model tell apart CPUs of one name ("AMD EPYC": family 25 model 1 is AVX2-only, model 17 has
+    # AVX-512 BF16), whose figures differ by a third
+    kind = ", ".join(f"{k.lower()} {fields[k].strip()}" for k in ("CPU family", "Model") if k in fields)
+    name = fields.get("Model name", "?").strip() + (f" ({kind})" if kind else "")
+    return f"cpu: {name}, {os.cpu_count()} CPUs; flags: {' '.join(have) or 'none'}"
 
 
 def report(run_dir: Path, measured: dict[str, Any] | None) -> None:

@@ -4,8 +4,10 @@ touches 150 MB, then forks a child that keeps those pages shared and touches 100
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,30 @@ def test_the_tree_counts_every_process_and_shared_pages_once() -> None:
     finally:
         proc.kill()
     assert main_job.TreeMemory(proc.pid).sample() == (0.0, 0.0)  # gone: nothing counted
+
+
+_LSCPU = """#!/bin/sh
+cat <<'OUT'
+Architecture:                            x86_64
+Model name:                              AMD EPYC
+CPU family:                              25
+Model:                                   17
+Flags:                                   fpu sse2 avx2 fma avx512f avx512_bf16 avx512_vnni
+OUT
+"""
+
+
+def test_the_cpu_line_names_the_family_and_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two machines named "AMD EPYC" (family 25 model 1, AVX2 only; model 17, AVX-512 BF16) ran the main job a third
+    apart: the report's CPU line must tell them apart. A stand-in ``lscpu`` on PATH prints lscpu's own fields."""
+    main_job = load_script(ROOT / "benchmarks" / "main_job.py", "main_job")
+    lscpu = tmp_path / "lscpu"
+    lscpu.write_text(_LSCPU)
+    lscpu.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    line = main_job.cpu_line()
+    assert line.startswith("cpu: AMD EPYC (cpu family 25, model 17), ")
+    assert line.endswith("; flags: avx2 fma avx512f avx512_bf16 avx512_vnni")
+    # no family or model line (another lscpu, another architecture): the name alone
+    lscpu.write_text("\n".join(line for line in _LSCPU.splitlines() if not line.startswith(("CPU family", "Model:"))))
+    assert main_job.cpu_line().startswith("cpu: AMD EPYC, ")
