@@ -1,6 +1,7 @@
 """benchmarks/main_job.py's ``TreeMemory``: the peak memory of the command and all its processes together (a
 learner child beside the main process), each counted by its proportional set size. Real processes: a parent that
-touches 150 MB, then forks a child that keeps those pages shared and touches 100 MB of its own."""
+touches 150 MB, then forks a child that keeps those pages shared and touches 100 MB of its own. And its CPU line
+(``cpu_line``), which the report's figures are read against."""
 
 from __future__ import annotations
 
